@@ -1,0 +1,361 @@
+"""Connections to the independent Redis masters, and one multiplexed round over all of them.
+
+A *round* sends one script call to every node at once and then collects the replies as they
+arrive (one `select` over the sockets), so its latency is that of the quorum-th fastest node, not
+the sum of all round trips. Every node is bounded by ``node_timeout``; a node that fails or does
+not answer in time is backed off (skipped without any network traffic) and probed again later,
+so a dead or hung node costs at most one timeout per back-off period rather than one per call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import select
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+from redis.backoff import NoBackoff
+from redis.connection import AbstractConnection, ConnectionPool
+from redis.exceptions import NoScriptError
+from redis.exceptions import RedisError as RedisClientError
+from redis.retry import Retry
+
+from .errors import ConfigurationError
+from .scripts import Script
+
+logger = logging.getLogger(__name__)
+
+FIRST_BACKOFF_SECONDS = 0.25
+MAX_BACKOFF_SECONDS = 5.0
+
+
+class _NoReply:
+    """Marks a node that gave no usable reply in a round (down, backed off, timed out)."""
+
+    def __repr__(self) -> str:
+        return "NO_REPLY"
+
+
+NO_REPLY: Any = _NoReply()
+
+
+def redact_url(url: str) -> str:
+    """The URL with any password replaced by ``***``, safe to log."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    return urlunsplit((parts.scheme, f"{user}:***@{host}", parts.path, parts.query, ""))
+
+
+def pack_command(*arguments: str | int | bytes) -> bytes:
+    """Encode one command in the Redis protocol (RESP), the same bytes for every node."""
+    encoded = [
+        argument if isinstance(argument, bytes) else str(argument).encode()
+        for argument in arguments
+    ]
+    parts = [b"*%d\r\n" % len(encoded)]
+    for argument in encoded:
+        parts.append(b"$%d\r\n%s\r\n" % (len(argument), argument))
+    return b"".join(parts)
+
+
+class Node:
+    """One independent Redis master: where it is and whether it is currently backed off.
+
+    Health is shared by every connection to the node in this process.
+    """
+
+    def __init__(self, url: str, node_timeout: float) -> None:
+        if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
+            raise ConfigurationError(
+                f"lock node URL {url!r} is not a Redis URL; use redis://host:port/db, "
+                "rediss://host:port/db (TLS) or unix:///path/to/redis.sock"
+            )
+        try:
+            pool = ConnectionPool.from_url(
+                url,
+                socket_timeout=node_timeout,
+                socket_connect_timeout=node_timeout,
+                retry=Retry(NoBackoff(), 0),
+                health_check_interval=0,
+                protocol=2,
+            )
+        except (ValueError, TypeError) as error:
+            raise ConfigurationError(
+                f"cannot parse lock node URL {redact_url(url)!r}: {error}; "
+                "the form is redis://[user:password@]host:port/db"
+            ) from error
+        self.name = redact_url(url)
+        self._connection_class: type[AbstractConnection] = pool.connection_class
+        self._connection_kwargs: dict[str, Any] = dict(pool.connection_kwargs)
+        self._down_until = 0.0
+        self._backoff = 0.0
+
+    def new_connection(self) -> AbstractConnection:
+        """A fresh, not yet connected connection to this node."""
+        return self._connection_class(**self._connection_kwargs)
+
+    def client(self) -> redis.Redis:
+        """A plain redis-py client for this node (administration, tests), with the same timeouts."""
+        return redis.Redis(
+            connection_pool=ConnectionPool(
+                connection_class=self._connection_class, **self._connection_kwargs
+            )
+        )
+
+    def is_backed_off(self, now: float) -> bool:
+        """True while the node is skipped after a failure."""
+        return now < self._down_until
+
+    def mark_down(self, now: float, reason: object) -> None:
+        """Skip this node for a while (doubling each time it fails again, up to a cap)."""
+        was_up = self._backoff == 0.0
+        self._backoff = min(MAX_BACKOFF_SECONDS, max(FIRST_BACKOFF_SECONDS, self._backoff * 2))
+        self._down_until = now + self._backoff
+        if was_up:
+            logger.warning(
+                "lock node %s is unavailable (%s); skipping it for %.2fs, then probing again",
+                self.name,
+                reason,
+                self._backoff,
+            )
+
+    def mark_up(self) -> None:
+        """Record a successful reply: the node takes part in every round again."""
+        if self._backoff:
+            logger.info("lock node %s answers again", self.name)
+            self._backoff = 0.0
+            self._down_until = 0.0
+
+
+class Link:
+    """One connection to one node, used by one thread at a time.
+
+    Replies still owed by the server from earlier rounds that decided without them are counted
+    in ``owed`` and skipped before the reply of the current round is read.
+    """
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self.connection: AbstractConnection | None = None
+        self.owed = 0
+        self.oldest_sent = 0.0
+
+    def socket_fileno(self) -> int:
+        assert self.connection is not None
+        sock = self.connection._sock  # redis-py keeps the socket here; select() needs it
+        return sock.fileno() if sock is not None else -1
+
+    def send(self, packed: list[bytes], now: float, node_timeout: float) -> bool:
+        """Send one packed command; False (and the node backed off) if that failed."""
+        if self.owed and now - self.oldest_sent > node_timeout and not self._drain():
+            self.fail(now, "no reply within node_timeout")
+            return False
+        try:
+            if self.connection is None:
+                self.connection = self.node.new_connection()
+            self.connection.send_packed_command(packed, check_health=False)
+        except (RedisClientError, OSError) as error:
+            self.fail(now, error)
+            return False
+        if not self.owed:
+            self.oldest_sent = now
+        self.owed += 1
+        return True
+
+    def send_now(self, packed: bytes) -> None:
+        """Send one more command on an open connection inside the current round."""
+        assert self.connection is not None
+        self.connection.send_packed_command([packed], check_health=False)
+        self.owed += 1
+
+    def _drain(self) -> bool:
+        """Read replies that already arrived for earlier rounds; True when none is owed."""
+        assert self.connection is not None
+        try:
+            while self.owed and self.connection.can_read(timeout=0):
+                self._read()
+        except (RedisClientError, OSError):
+            return False
+        return self.owed == 0
+
+    def _read(self) -> Any:
+        """One reply; an error reply (such as NOSCRIPT) is returned, not raised."""
+        assert self.connection is not None
+        self.owed -= 1
+        try:
+            return self.connection.read_response()
+        except redis.ResponseError as error:
+            return error
+
+    def read_current(self) -> tuple[bool, Any]:
+        """Read replies until this round's arrives: (True, reply), or (False, None) if it is still
+        on its way. Raises the redis-py error on a broken connection.
+        """
+        assert self.connection is not None
+        while self.owed > 1:
+            self._read()
+            if not self.connection.can_read(timeout=0):
+                return False, None
+        reply = self._read()
+        self.oldest_sent = time.monotonic()
+        return True, reply
+
+    def fail(self, now: float, reason: object) -> None:
+        """Drop the connection (and anything owed on it) and back the node off."""
+        self.close()
+        self.node.mark_down(now, reason)
+
+    def close(self) -> None:
+        """Close the connection; the next send opens a new one."""
+        if self.connection is not None:
+            with contextlib.suppress(RedisClientError, OSError):
+                self.connection.disconnect()
+        self.connection = None
+        self.owed = 0
+
+
+@dataclass
+class RoundResult:
+    """What one round learned: each node's reply (or ``NO_REPLY``) and how many succeeded."""
+
+    replies: list[Any]
+    successes: int
+    answered: int
+    finished_at: float
+
+
+class NodeGroup:
+    """The lock nodes of one `Redlock`, with per-thread sets of connections opened lazily.
+
+    Connections are opened in the process that uses them: after a fork, the child drops the
+    parent's connections without touching the sockets and opens its own.
+    """
+
+    def __init__(self, urls: Sequence[str], node_timeout: float) -> None:
+        self.nodes = [Node(url, node_timeout) for url in urls]
+        self.node_timeout = node_timeout
+        self.quorum = len(self.nodes) // 2 + 1
+        self._idle: list[list[Link]] = []
+        self._idle_guard = threading.Lock()
+        self._pid = os.getpid()
+
+    def _checkout(self) -> list[Link]:
+        with self._idle_guard:
+            if self._pid != os.getpid():
+                # Forked: the parent's sockets are not ours to use or to close.
+                self._idle = []
+                self._pid = os.getpid()
+            if self._idle:
+                return self._idle.pop()
+        return [Link(node) for node in self.nodes]
+
+    def _checkin(self, links: list[Link]) -> None:
+        with self._idle_guard:
+            if self._pid == os.getpid():
+                self._idle.append(links)
+
+    def close(self) -> None:
+        """Close every idle connection (connections in use are closed when returned)."""
+        with self._idle_guard:
+            idle, self._idle = self._idle, []
+        for links in idle:
+            for link in links:
+                link.close()
+
+    def run(
+        self,
+        script: Script,
+        keys: Sequence[str],
+        arguments: Sequence[str | int],
+        succeeded: Callable[[Any], bool],
+        wait: bool = True,
+    ) -> RoundResult:
+        """Run ``script`` on every node at once and collect replies until the outcome is known.
+
+        The outcome is known when a quorum succeeded, when a quorum can no longer succeed, or
+        when ``node_timeout`` has passed. With ``wait=False`` the commands are only sent (their
+        replies are skipped by a later round), for clean-ups nobody waits on.
+        """
+        links = self._checkout()
+        try:
+            return self._run(links, script, keys, arguments, succeeded, wait)
+        finally:
+            self._checkin(links)
+
+    def _run(
+        self,
+        links: list[Link],
+        script: Script,
+        keys: Sequence[str],
+        arguments: Sequence[str | int],
+        succeeded: Callable[[Any], bool],
+        wait: bool,
+    ) -> RoundResult:
+        count = len(links)
+        started = time.monotonic()
+        deadline = started + self.node_timeout
+        replies: list[Any] = [NO_REPLY] * count
+        call = (len(keys), *keys, *arguments)
+        packed = [pack_command("EVALSHA", script.sha, *call)]
+        waiting: dict[int, int] = {}  # file descriptor -> node index
+        poller = select.poll()
+        for index, link in enumerate(links):
+            if link.node.is_backed_off(started):
+                continue
+            if link.send(packed, started, self.node_timeout):
+                descriptor = link.socket_fileno()
+                waiting[descriptor] = index
+                poller.register(descriptor, select.POLLIN)
+        if not wait:
+            return RoundResult(replies, 0, 0, time.monotonic())
+
+        successes = answered = 0
+        failures = count - len(waiting)
+        needed_failures = count - self.quorum + 1
+        while waiting and successes < self.quorum and failures < needed_failures:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            for descriptor, _ in poller.poll(remaining * 1000):
+                index = waiting.pop(descriptor)
+                poller.unregister(descriptor)
+                link = links[index]
+                try:
+                    arrived, reply = link.read_current()
+                    if arrived and isinstance(reply, NoScriptError):
+                        # The node lost its script cache (restart, SCRIPT FLUSH): send the source.
+                        link.send_now(pack_command("EVAL", script.source, *call))
+                        arrived = False
+                except (RedisClientError, OSError) as error:
+                    link.fail(time.monotonic(), error)
+                    failures += 1
+                    continue
+                if not arrived:
+                    waiting[descriptor] = index
+                    poller.register(descriptor, select.POLLIN)
+                    continue
+                link.node.mark_up()
+                replies[index] = reply
+                answered += 1
+                if succeeded(reply):
+                    successes += 1
+                else:
+                    failures += 1
+        finished = time.monotonic()
+        if successes < self.quorum and failures < needed_failures:
+            # Timed out: whoever is still silent is hung or far away.
+            for index in waiting.values():
+                links[index].fail(finished, f"no reply within {self.node_timeout}s")
+        return RoundResult(replies, successes, answered, finished)

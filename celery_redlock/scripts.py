@@ -1,0 +1,73 @@
+"""The Lua scripts that make acquisition, extension and release atomic on each node.
+
+Each script is run by its SHA-1 (EVALSHA); a node whose script cache is empty (restarted, or
+flushed) answers NOSCRIPT and gets the full source once (EVAL), which also caches it there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Script:
+    """A Lua script and the SHA-1 digest Redis knows it by."""
+
+    name: str
+    source: str
+    sha: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sha", hashlib.sha1(self.source.encode()).hexdigest())
+
+
+# KEYS[1] lock key; ARGV[1] value (token, then owner); ARGV[2] ttl in ms.
+# Returns 1 when the lock was taken, else {current value, its pttl in ms} so the caller can name
+# the holder and knows how long the holder's lock lives at most without an extension.
+ACQUIRE = Script(
+    "acquire",
+    """
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+    return 1
+end
+return {redis.call('GET', KEYS[1]) or '', redis.call('PTTL', KEYS[1])}
+""",
+)
+
+# KEYS[1] lock key; ARGV[1] value; ARGV[2] new ttl in ms. Returns 1 if extended, 0 if not ours.
+EXTEND = Script(
+    "extend",
+    """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+    return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0
+""",
+)
+
+# KEYS[1] lock key; ARGV[1] value; ARGV[2] release channel. Returns 1 if deleted, 0 if not ours.
+# The PUBLISH wakes processes waiting for this lock instead of making them poll.
+RELEASE = Script(
+    "release",
+    """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+    redis.call('DEL', KEYS[1])
+    redis.call('PUBLISH', ARGV[2], 'released')
+    return 1
+end
+return 0
+""",
+)
+
+# KEYS[1] lock key; ARGV[1] release channel. Deletes whoever holds it (operators' forced release).
+FORCE_RELEASE = Script(
+    "force_release",
+    """
+local deleted = redis.call('DEL', KEYS[1])
+if deleted == 1 then
+    redis.call('PUBLISH', ARGV[1], 'released')
+end
+return deleted
+""",
+)
