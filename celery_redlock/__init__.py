@@ -1,4 +1,8 @@
-"""celery_redlock: Redlock-guarded singleton tasks for Celery."""
+"""celery_redlock: Redlock-guarded singleton tasks for Celery.
+
+``@singleton_task`` / ``SingletonTask`` make a task run at most once at a time per key across a
+whole worker fleet; `Redlock` is the lock itself, usable without Celery.
+"""
 
 from .errors import (
     ConfigurationError,
@@ -8,15 +12,22 @@ from .errors import (
     QuorumUnavailable,
     RedlockError,
 )
+from .keys import LockKeyError
 from .redlock import Lock, Redlock
+from .settings import RedlockSettings
+from .task import SingletonTask, singleton_task
 
 __all__ = [
     "ConfigurationError",
     "DuplicateSkipped",
     "Lock",
+    "LockKeyError",
     "LockLost",
     "LockNotAcquired",
     "QuorumUnavailable",
     "Redlock",
     "RedlockError",
+    "RedlockSettings",
+    "SingletonTask",
+    "singleton_task",
 ]

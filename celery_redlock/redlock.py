@@ -24,7 +24,7 @@ from redis.exceptions import RedisError as RedisClientError
 
 from . import scripts
 from .errors import ConfigurationError, LockNotAcquired, QuorumUnavailable
-from .nodes import NodeGroup, RoundResult
+from .nodes import Node, NodeGroup, RoundResult
 
 logger = logging.getLogger(__name__)
 
@@ -128,6 +128,11 @@ class Redlock:
                 self.quorum,
                 len(self._group.nodes),
             )
+
+    @property
+    def nodes(self) -> list[Node]:
+        """The configured lock nodes (``.name`` is the URL with its password redacted)."""
+        return list(self._group.nodes)
 
     @property
     def node_names(self) -> list[str]:
@@ -250,7 +255,8 @@ class Redlock:
         """Reset the lock's time to live to ``ttl`` seconds (default: its own ttl).
 
         True only if a majority of nodes extended it while it was still valid; the lock's
-        ``validity`` and `remaining` are then updated. False means the lock cannot be relied on.
+        ``validity`` and `remaining` are then updated. False means the lock cannot be relied on;
+        when a majority answered that the token is gone, `Lock.remaining` drops to zero too.
         """
         ttl = lock.ttl if ttl is None else ttl
         self.check_ttl(ttl)
@@ -260,6 +266,9 @@ class Redlock:
         result = self._group.run(
             scripts.EXTEND, (lock.key,), (lock.value, max(1, int(ttl * 1000))), _is_one
         )
+        if result.answered - result.successes >= len(self._group.nodes) - self.quorum + 1:
+            lock.valid_until = 0.0  # a majority says the token is gone: nothing left to rely on
+            return False
         if result.successes < self.quorum or result.finished_at >= lock.valid_until:
             return False
         lock.validity = ttl - (result.finished_at - started) - self.drift(ttl)
@@ -276,6 +285,15 @@ class Redlock:
         result = self._group.run(scripts.RELEASE, (lock.key,), (lock.value, lock.key), _is_one)
         lock.valid_until = 0.0
         return result.successes >= self.quorum
+
+    def release_if_owner_matches(self, resource: str, owner_fragment: str) -> int:
+        """Delete the lock on ``resource`` where its owner description contains
+        ``owner_fragment``; returns on how many nodes. For freeing a lost process's lock."""
+        key = self.key_for(resource)
+        result = self._group.run(
+            scripts.RELEASE_IF_OWNER_MATCHES, (key,), (owner_fragment, key), _is_one
+        )
+        return result.successes
 
     def force_release(self, resource: str) -> int:
         """Delete the lock on ``resource`` whoever holds it (operators only); nodes that did."""

@@ -71,3 +71,19 @@ end
 return deleted
 """,
 )
+
+# KEYS[1] lock key; ARGV[1] a fragment of the owner description (e.g. the task id); ARGV[2]
+# release channel. Deletes the lock only if its stored owner contains the fragment: how a worker's
+# main process frees the lock of a child it lost (killed, timed out, terminated).
+RELEASE_IF_OWNER_MATCHES = Script(
+    "release_if_owner_matches",
+    """
+local value = redis.call('GET', KEYS[1])
+if value and string.find(value, ARGV[1], 1, true) then
+    redis.call('DEL', KEYS[1])
+    redis.call('PUBLISH', ARGV[2], 'released')
+    return 1
+end
+return 0
+""",
+)

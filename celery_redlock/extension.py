@@ -1,0 +1,160 @@
+"""Keeping locks alive while task bodies run: one extension thread per process.
+
+Every held lock is extended when a third of its validity has passed, never past the run's hard
+time limit. When an extension fails for good — a majority says the token is gone, or no quorum
+answers before the validity runs out — the lock is marked lost and the caller's ``on_lost``
+callback runs, so the task is told instead of working on without a lock. The thread dies with
+its process (a killed prefork child stops extending; the ttl then frees the lock).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .errors import LockLost, RedlockError
+from .redlock import Lock, Redlock
+
+logger = logging.getLogger(__name__)
+
+# Below this many seconds of lock life there is no point in extending up to a time limit.
+SHORTEST_EXTENSION_SECONDS = 0.05
+
+
+@dataclass(eq=False)
+class KeptLock:
+    """A lock under the keeper's care, with why it was lost if it was."""
+
+    lock: Lock
+    hard_deadline: float | None
+    on_lost: Callable[[KeptLock], None]
+    lost_reason: str = ""
+    stopped: bool = False
+    next_at: float = 0.0
+    guard: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def is_lost(self) -> bool:
+        """True once the lock is known to be gone."""
+        return bool(self.lost_reason)
+
+
+class LockKeeper:
+    """Extends the locks of running tasks from a background thread (started lazily per process)."""
+
+    def __init__(self, redlock: Redlock) -> None:
+        self.redlock = redlock
+        self._queue: list[tuple[float, int, KeptLock]] = []
+        self._order = itertools.count()
+        self._wakeup = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._pid = 0
+
+    def keep(
+        self,
+        lock: Lock,
+        on_lost: Callable[[KeptLock], None],
+        hard_deadline: float | None = None,
+        auto_extend: bool = True,
+    ) -> KeptLock:
+        """Start caring for ``lock``; with ``auto_extend`` it is extended until `stop`."""
+        kept = KeptLock(lock, hard_deadline, on_lost)
+        if auto_extend:
+            self._schedule(kept, time.monotonic() + lock.validity / 3)
+        return kept
+
+    def stop(self, kept: KeptLock) -> None:
+        """Stop extending; returns after any extension in flight has finished."""
+        with kept.guard:
+            kept.stopped = True
+
+    def extend_now(self, kept: KeptLock, ttl: float | None = None) -> bool:
+        """Extend immediately; raises `LockLost` when the lock is gone (or was lost before)."""
+        with kept.guard:
+            if kept.is_lost:
+                raise LockLost(kept.lock.key, kept.lost_reason)
+            self._extend(kept, ttl)
+            if kept.is_lost:
+                raise LockLost(kept.lock.key, kept.lost_reason)
+            return True
+
+    def _schedule(self, kept: KeptLock, when: float) -> None:
+        kept.next_at = when
+        with self._wakeup:
+            if self._thread is None or self._pid != os.getpid() or not self._thread.is_alive():
+                # First use in this process (threads do not survive a fork).
+                self._queue = []
+                self._pid = os.getpid()
+                self._thread = threading.Thread(
+                    target=self._run, name="celery-redlock-keeper", daemon=True
+                )
+                self._thread.start()
+            heapq.heappush(self._queue, (when, next(self._order), kept))
+            self._wakeup.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._wakeup:
+                while not self._queue or self._queue[0][0] > time.monotonic():
+                    timeout = self._queue[0][0] - time.monotonic() if self._queue else None
+                    self._wakeup.wait(timeout)
+                _, _, kept = heapq.heappop(self._queue)
+            with kept.guard:
+                if kept.stopped or kept.is_lost:
+                    continue
+                if kept.next_at > time.monotonic():
+                    # Extended by hand meanwhile: come back when that extension is a third old.
+                    self._schedule(kept, kept.next_at)
+                    continue
+                try:
+                    self._extend(kept, None)
+                except Exception:  # the keeper must never die silently
+                    logger.exception("extending lock %s failed", kept.lock.key)
+                    kept.lost_reason = "the extension raised an unexpected error"
+                if kept.is_lost:
+                    self._report_lost(kept)
+                    continue
+                self._schedule(kept, kept.next_at)
+
+    def _extend(self, kept: KeptLock, ttl: float | None) -> None:
+        """One extension attempt; sets ``next_at`` or ``lost_reason``. Caller holds the guard."""
+        lock = kept.lock
+        ttl = lock.ttl if ttl is None else ttl
+        now = time.monotonic()
+        if kept.hard_deadline is not None:
+            ttl = min(ttl, kept.hard_deadline - now)
+            if ttl < SHORTEST_EXTENSION_SECONDS:
+                # The run's hard time limit is reached: the lock expires with it.
+                kept.next_at = float("inf")
+                return
+        try:
+            extended = self.redlock.extend(lock, ttl)
+        except RedlockError as error:
+            extended = False
+            logger.warning("extending lock %s failed: %s", lock.key, error)
+        if extended:
+            kept.next_at = time.monotonic() + lock.validity / 3
+            return
+        remaining = lock.remaining()
+        if remaining <= 0:
+            kept.lost_reason = (
+                "a majority of lock nodes no longer hold its token"
+                if lock.valid_until == 0.0
+                else "no quorum of lock nodes confirmed an extension before its validity ran out"
+            )
+            return
+        # No quorum answered yet: try again soon, while the lock is still valid.
+        kept.next_at = time.monotonic() + min(self.redlock.retry_delay, remaining / 3)
+
+    def _report_lost(self, kept: KeptLock) -> None:
+        logger.error("lock %s was lost: %s", kept.lock.key, kept.lost_reason)
+        try:
+            kept.on_lost(kept)
+        except Exception:
+            logger.exception("lock_lost handler for %s raised", kept.lock.key)

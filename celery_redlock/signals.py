@@ -1,0 +1,42 @@
+"""Signals sent at every lock state change, for metrics and alerting.
+
+Connect like any Celery signal::
+
+    from celery_redlock.signals import lock_duplicate
+
+    @lock_duplicate.connect
+    def count_duplicate(sender, key, policy, **kwargs):
+        duplicates[sender.name] += 1
+
+``sender`` is the task; every signal carries ``key`` (the Redis key) and ``task_id``. Handlers
+run in the worker process (``lock_lost`` in the lock keeper's thread) and must be quick.
+"""
+
+from __future__ import annotations
+
+from celery.utils.dispatch import Signal
+
+lock_acquired = Signal(
+    name="lock_acquired", providing_args={"task_id", "key", "waited", "fencing_token"}
+)
+"""A run took its lock; ``waited`` is the seconds spent acquiring."""
+
+lock_duplicate = Signal(
+    name="lock_duplicate", providing_args={"task_id", "key", "policy", "holder"}
+)
+"""A run found its lock held by ``holder``; ``policy`` is what it does about it."""
+
+lock_extended = Signal(name="lock_extended", providing_args={"task_id", "key", "validity"})
+"""A lock was extended by hand (``self.extend_lock()``); ``validity`` is seconds guaranteed."""
+
+lock_lost = Signal(name="lock_lost", providing_args={"task_id", "key", "reason"})
+"""A running task's lock is gone; its next ``self.extend_lock()`` raises `LockLost`."""
+
+lock_released = Signal(
+    name="lock_released", providing_args={"task_id", "key", "state", "held", "released"}
+)
+"""A run ended (``state`` is Celery's); ``held`` is seconds held; ``released`` False means it was
+already gone or is kept for ``lock_hold``."""
+
+lock_unavailable = Signal(name="lock_unavailable", providing_args={"task_id", "key", "policy"})
+"""No quorum of lock nodes answered; ``policy`` is the ``on_unavailable`` action taken."""
