@@ -95,8 +95,10 @@ class LockKeeper:
                     target=self._run, name="celery-redlock-keeper", daemon=True
                 )
                 self._thread.start()
+            earliest = self._queue[0][0] if self._queue else float("inf")
             heapq.heappush(self._queue, (when, next(self._order), kept))
-            self._wakeup.notify()
+            if when < earliest:  # the thread sleeps until the earliest entry: wake it only then
+                self._wakeup.notify()
 
     def _run(self) -> None:
         while True:

@@ -358,13 +358,14 @@ class _ReleaseListener:
             time.sleep(seconds)
             return False
         by_descriptor: dict[int, AbstractConnection] = {}
+        poller = select.poll()
         for connection in self._connections:
             sock: Any = connection._sock
             if sock is not None:
                 by_descriptor[sock.fileno()] = connection
-        readable, _, _ = select.select(list(by_descriptor), [], [], max(seconds, 0))
+                poller.register(sock.fileno(), select.POLLIN)
         woken = False
-        for descriptor in readable:
+        for descriptor, _ in poller.poll(max(seconds, 0) * 1000):
             connection = by_descriptor[descriptor]
             try:
                 while connection.can_read(timeout=0):
