@@ -29,6 +29,7 @@ from .nodes import Node, NodeGroup, RoundResult
 logger = logging.getLogger(__name__)
 
 TOKEN_BYTES = 20
+FENCE_SUFFIX = ":fence"
 DRIFT_CONSTANT_SECONDS = 0.002
 
 
@@ -39,6 +40,10 @@ class Lock:
     ``validity`` is how many seconds the lock was guaranteed to stay valid when acquisition (or
     the last extension) finished; `remaining` says how much of it is left now. ``owner`` is
     non-secret metadata stored beside the token (who holds the lock), shown to other contenders.
+
+    ``fencing_token`` grows with every acquisition of the same resource (as long as a majority
+    of nodes keeps its data and the clients' clocks agree within the ttl): pass it to the storage
+    you write to and have it reject writes carrying a smaller token than it has seen.
     """
 
     resource: str
@@ -48,6 +53,7 @@ class Lock:
     ttl: float
     owner: str = ""
     valid_until: float = field(default=0.0, repr=False)
+    fencing_token: int = 0
 
     @property
     def value(self) -> str:
@@ -69,6 +75,10 @@ class Contention:
 
 def _is_one(reply: Any) -> bool:
     return reply == 1 and not isinstance(reply, bool)
+
+
+def _is_integer(reply: Any) -> bool:
+    return isinstance(reply, int) and not isinstance(reply, bool)
 
 
 class Redlock:
@@ -200,11 +210,18 @@ class Redlock:
             token = secrets.token_hex(TOKEN_BYTES)
             value = f"{token}|{owner}" if owner else token
             started = time.monotonic()
-            result = self._group.run(scripts.ACQUIRE, (key,), (value, ttl_ms), _is_one)
-            validity = ttl - (result.finished_at - started) - self.drift(ttl)
-            if result.successes >= self.quorum and validity > 0:
+            result = self._group.run(
+                scripts.ACQUIRE,
+                (key, key + FENCE_SUFFIX),
+                (value, ttl_ms, time.time_ns() // 1000),
+                _is_integer,
+            )
+            fencing_token = self._agree_on_fencing_token(key, result, ttl_ms)
+            finished = time.monotonic()
+            validity = ttl - (finished - started) - self.drift(ttl)
+            if fencing_token is not None and validity > 0:
                 return Lock(
-                    resource, key, token, validity, ttl, owner, result.finished_at + validity
+                    resource, key, token, validity, ttl, owner, finished + validity, fencing_token
                 ), None
             # Release everywhere, including nodes that seemed to fail: a SET may have landed.
             self._group.run(scripts.RELEASE, (key,), (value, key), _is_one, wait=False)
@@ -215,6 +232,24 @@ class Redlock:
         if most_answered < self.quorum:
             raise QuorumUnavailable(key, most_answered, self.quorum)
         return None, Contention(None, ttl)
+
+    def _agree_on_fencing_token(self, key: str, result: RoundResult, ttl_ms: int) -> int | None:
+        """The fencing token of a round that reached a quorum, or None if it did not.
+
+        The token is the largest a node returned; nodes that returned less (a node that missed
+        acquisitions while down, or restarted empty) are raised to it first, so that any later
+        majority includes a node that will hand out a larger one.
+        """
+        if result.successes < self.quorum:
+            return None
+        tokens: list[int] = [reply for reply in result.replies if _is_integer(reply)]
+        fencing_token = max(tokens)
+        if tokens.count(fencing_token) >= self.quorum:
+            return fencing_token
+        raised = self._group.run(
+            scripts.RAISE_FENCE, (key + FENCE_SUFFIX,), (fencing_token, ttl_ms), _is_one
+        )
+        return fencing_token if raised.successes >= self.quorum else None
 
     def _contention(self, result: RoundResult) -> Contention | None:
         """The holder when a majority of replies name the same one; None for a split vote."""
@@ -264,7 +299,10 @@ class Redlock:
         if lock.valid_until <= started:
             return False
         result = self._group.run(
-            scripts.EXTEND, (lock.key,), (lock.value, max(1, int(ttl * 1000))), _is_one
+            scripts.EXTEND,
+            (lock.key, lock.key + FENCE_SUFFIX),
+            (lock.value, max(1, int(ttl * 1000))),
+            _is_one,
         )
         if result.answered - result.successes >= len(self._group.nodes) - self.quorum + 1:
             lock.valid_until = 0.0  # a majority says the token is gone: nothing left to rely on

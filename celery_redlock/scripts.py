@@ -16,30 +16,51 @@ class Script:
 
     name: str
     source: str
+    # Always sent as EVAL with the source, never EVALSHA: for scripts whose NOSCRIPT reply may
+    # come after the round decided (releases), where a lost call would leave a key until its ttl.
+    inline: bool = False
     sha: str = field(init=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "sha", hashlib.sha1(self.source.encode()).hexdigest())
 
 
-# KEYS[1] lock key; ARGV[1] value (token, then owner); ARGV[2] ttl in ms.
-# Returns 1 when the lock was taken, else {current value, its pttl in ms} so the caller can name
-# the holder and knows how long the holder's lock lives at most without an extension.
+# KEYS[1] lock key, KEYS[2] its fencing counter; ARGV[1] value (token, then owner); ARGV[2] ttl
+# in ms; ARGV[3] the caller's clock in microseconds. Returns the fencing token (an integer) when
+# the lock was taken, else {current value, its pttl in ms} so the caller can name the holder.
+# The token is max(counter + 1, caller's clock): it grows with every acquisition, and nodes that
+# all saw the same history return the same token, so no second round is needed to agree on it.
 ACQUIRE = Script(
     "acquire",
     """
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
-    return 1
+    local fence = math.max((tonumber(redis.call('GET', KEYS[2])) or 0) + 1, tonumber(ARGV[3]))
+    redis.call('SET', KEYS[2], string.format('%.0f', fence), 'PX', ARGV[2])
+    return fence
 end
 return {redis.call('GET', KEYS[1]) or '', redis.call('PTTL', KEYS[1])}
 """,
 )
 
-# KEYS[1] lock key; ARGV[1] value; ARGV[2] new ttl in ms. Returns 1 if extended, 0 if not ours.
+# KEYS[1] fencing counter; ARGV[1] token; ARGV[2] ttl in ms. Raises a node's counter to the token
+# a new holder got elsewhere, so that every later acquisition on a majority sees a larger one.
+RAISE_FENCE = Script(
+    "raise_fence",
+    """
+if (tonumber(redis.call('GET', KEYS[1])) or 0) < tonumber(ARGV[1]) then
+    redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+end
+return 1
+""",
+)
+
+# KEYS[1] lock key, KEYS[2] its fencing counter; ARGV[1] value; ARGV[2] new ttl in ms.
+# Returns 1 if extended, 0 if not ours. The counter lives as long as the lock.
 EXTEND = Script(
     "extend",
     """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
+    redis.call('PEXPIRE', KEYS[2], ARGV[2])
     return redis.call('PEXPIRE', KEYS[1], ARGV[2])
 end
 return 0
@@ -47,17 +68,20 @@ return 0
 )
 
 # KEYS[1] lock key; ARGV[1] value; ARGV[2] release channel. Returns 1 if deleted, 0 if not ours.
-# The PUBLISH wakes processes waiting for this lock instead of making them poll.
+# The PUBLISH wakes processes waiting for this lock instead of making them poll; it is a pcall
+# because an ACL user may lack channel permissions (Redis 7 default: resetchannels), and the
+# release must count anyway: the key is already deleted.
 RELEASE = Script(
     "release",
     """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
     redis.call('DEL', KEYS[1])
-    redis.call('PUBLISH', ARGV[2], 'released')
+    redis.pcall('PUBLISH', ARGV[2], 'released')
     return 1
 end
 return 0
 """,
+    inline=True,
 )
 
 # KEYS[1] lock key; ARGV[1] release channel. Deletes whoever holds it (operators' forced release).
@@ -66,10 +90,11 @@ FORCE_RELEASE = Script(
     """
 local deleted = redis.call('DEL', KEYS[1])
 if deleted == 1 then
-    redis.call('PUBLISH', ARGV[1], 'released')
+    redis.pcall('PUBLISH', ARGV[1], 'released')
 end
 return deleted
 """,
+    inline=True,
 )
 
 # KEYS[1] lock key; ARGV[1] a fragment of the owner description (e.g. the task id); ARGV[2]
@@ -81,9 +106,10 @@ RELEASE_IF_OWNER_MATCHES = Script(
 local value = redis.call('GET', KEYS[1])
 if value and string.find(value, ARGV[1], 1, true) then
     redis.call('DEL', KEYS[1])
-    redis.call('PUBLISH', ARGV[2], 'released')
+    redis.pcall('PUBLISH', ARGV[2], 'released')
     return 1
 end
 return 0
 """,
+    inline=True,
 )

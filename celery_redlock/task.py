@@ -149,7 +149,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             task_id=request.id,
             key=lock.key,
             waited=held.started - started,
-            fencing_token=getattr(lock, "fencing_token", None),
+            fencing_token=lock.fencing_token,
         )
         return self.run(*args, **kwargs)
 
