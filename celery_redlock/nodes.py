@@ -52,9 +52,7 @@ def redact_url(url: str) -> str:
     if parts.password is None:
         return url
     user = parts.username or ""
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
+    host = parts.netloc.rpartition("@")[2]  # as written: parts.port raises on a bad port
     return urlunsplit((parts.scheme, f"{user}:***@{host}", parts.path, parts.query, ""))
 
 
@@ -195,9 +193,11 @@ class Link:
         assert self.connection is not None
         self.owed -= 1
         try:
-            return self.connection.read_response()
+            reply = self.connection.read_response()
         except redis.ResponseError as error:
-            return error
+            reply = error
+        self.node.mark_up()  # any reply, even one owed by an earlier round: the node answers
+        return reply
 
     def read_current(self) -> tuple[bool, Any]:
         """Read replies until this round's arrives: (True, reply), or (False, None) if it is still
@@ -305,10 +305,14 @@ class NodeGroup:
     ) -> RoundResult:
         count = len(links)
         started = time.monotonic()
-        deadline = started + self.node_timeout
         replies: list[Any] = [NO_REPLY] * count
         call = (len(keys), *keys, *arguments)
-        packed = [pack_command("EVALSHA", script.sha, *call)]
+        if wait and not script.inline:
+            packed = [pack_command("EVALSHA", script.sha, *call)]
+        else:
+            # Nobody reads a NOSCRIPT reply of these (clean-ups, or a release whose quorum is
+            # reached before a restarted node answers): send the source, which cannot miss.
+            packed = [pack_command("EVAL", script.source, *call)]
         waiting: dict[int, int] = {}  # file descriptor -> node index
         poller = select.poll()
         for index, link in enumerate(links):
@@ -321,14 +325,29 @@ class NodeGroup:
         if not wait:
             return RoundResult(replies, 0, 0, time.monotonic())
 
+        # Opening connections (connect and handshake) happens in the loop above, one node after
+        # the other: the nodes' own time to answer starts when the last command is sent.
+        deadline = time.monotonic() + self.node_timeout
         successes = answered = 0
         failures = count - len(waiting)
         needed_failures = count - self.quorum + 1
-        while waiting and successes < self.quorum and failures < needed_failures:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+
+        def decided() -> bool:
+            if successes >= self.quorum:
+                return True
+            if failures < needed_failures:
+                return False
+            # Failed either way; keep reading only while the replies in flight can still tell
+            # "held by someone" (a quorum answered) from "no quorum" (QuorumUnavailable).
+            return answered >= self.quorum or answered + len(waiting) < self.quorum
+
+        while waiting and not decided():
+            # poll(0) once the deadline passed: a reply already there is not a timeout (the
+            # thread may have been descheduled, e.g. waiting for the GIL).
+            events = poller.poll(max(0.0, deadline - time.monotonic()) * 1000)
+            if not events:
                 break
-            for descriptor, _ in poller.poll(remaining * 1000):
+            for descriptor, _ in events:
                 index = waiting.pop(descriptor)
                 poller.unregister(descriptor)
                 link = links[index]
@@ -354,7 +373,7 @@ class NodeGroup:
                 else:
                     failures += 1
         finished = time.monotonic()
-        if successes < self.quorum and failures < needed_failures:
+        if not decided():
             # Timed out: whoever is still silent is hung or far away.
             for index in waiting.values():
                 links[index].fail(finished, f"no reply within {self.node_timeout}s")

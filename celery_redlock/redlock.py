@@ -189,12 +189,13 @@ class Redlock:
         return self._wait_and_acquire(resource, ttl, owner, timeout)
 
     def try_acquire(
-        self, resource: str, ttl: float, owner: str = ""
+        self, resource: str, ttl: float, owner: str = "", take_over_from: str = ""
     ) -> tuple[Lock | None, Contention | None]:
         """One non-blocking acquire (up to ``retry_count`` attempts).
 
-        Returns the lock, or None and what was learned about the holder. Raises
-        `QuorumUnavailable` when no attempt reached a majority of nodes.
+        Returns the lock, or None and what was learned about the holder. A lock whose owner
+        description contains ``take_over_from`` (when given) is taken over as if it were free.
+        Raises `QuorumUnavailable` when no attempt reached a majority of nodes.
         """
         self.check_ttl(ttl)
         if not isinstance(resource, str) or not resource:
@@ -213,7 +214,7 @@ class Redlock:
             result = self._group.run(
                 scripts.ACQUIRE,
                 (key, key + FENCE_SUFFIX),
-                (value, ttl_ms, time.time_ns() // 1000),
+                (value, ttl_ms, time.time_ns() // 1000, take_over_from),
                 _is_integer,
             )
             fencing_token = self._agree_on_fencing_token(key, result, ttl_ms)

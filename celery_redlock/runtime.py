@@ -72,11 +72,16 @@ class AppRuntime:
         return self.redlock.release(held.lock)
 
 
-def owner_text(task_name: str, task_id: str | None, retries: int) -> str:
-    """Who holds a lock, stored beside the token: task, id, attempt, host and process."""
-    owner = {
-        "task": task_name,
-        "id": task_id,
+def owner_text(task_name: str, task_id: str | None, retries: int, queued: bool = False) -> str:
+    """Who holds a lock, stored beside the token: task, id, attempt, host and process.
+
+    ``queued`` marks the lock `SingletonTask.apply_async` takes with ``lock_on_enqueue``; the run
+    of that task id takes it over (see `queued_fragment`).
+    """
+    owner: dict[str, Any] = {"task": task_name, "id": task_id}
+    if queued:
+        owner["queued"] = True
+    owner |= {
         "retries": retries,
         "host": socket.gethostname(),
         "pid": os.getpid(),
@@ -84,6 +89,11 @@ def owner_text(task_name: str, task_id: str | None, retries: int) -> str:
     }
     # '|' separates token and owner on the nodes; JSON may spell it as an escape instead.
     return json.dumps(owner, separators=(",", ":")).replace("|", "\\u007c")
+
+
+def queued_fragment(task_id: str) -> str:
+    """The part of `owner_text` that identifies the enqueue-time lock of ``task_id``."""
+    return json.dumps({"id": task_id, "queued": True}, separators=(",", ":"))[1:-1]
 
 
 def parse_owner(text: str | None) -> dict[str, Any]:

@@ -18,13 +18,21 @@ from typing import Any, ClassVar
 
 from celery import Task, shared_task, states
 from celery.exceptions import Ignore
+from celery.utils import uuid
 
 from . import signals, wiring
 from .errors import ConfigurationError, DuplicateSkipped, LockNotAcquired, QuorumUnavailable
 from .extension import KeptLock
 from .keys import LockKey, check_lock_args, resource_for_call
 from .redlock import Contention, Lock
-from .runtime import AppRuntime, HeldLock, describe_owner, owner_text, parse_owner
+from .runtime import (
+    AppRuntime,
+    HeldLock,
+    describe_owner,
+    owner_text,
+    parse_owner,
+    queued_fragment,
+)
 from .settings import DUPLICATE_POLICIES, UNAVAILABLE_POLICIES, check_policy, check_positive
 
 logger = logging.getLogger(__name__)
@@ -63,6 +71,7 @@ class SingletonTask(Task):  # type: ignore[misc]
     on_unavailable: ClassVar[str | None] = None
     lock_wait: ClassVar[float | None] = None
     lock_hold: ClassVar[float] = 0.0
+    lock_on_enqueue: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -78,6 +87,11 @@ class SingletonTask(Task):  # type: ignore[misc]
         if cls.on_unavailable is not None:
             check_policy(
                 f"on_unavailable of task {name!r}", cls.on_unavailable, UNAVAILABLE_POLICIES
+            )
+        if cls.lock_on_enqueue not in (True, False):
+            raise ConfigurationError(
+                f"lock_on_enqueue of task {name!r} must be True or False, "
+                f"got {cls.lock_on_enqueue!r}"
             )
         if cls.lock_auto_extend not in (None, True, False):
             raise ConfigurationError(
@@ -124,6 +138,50 @@ class SingletonTask(Task):  # type: ignore[misc]
             sender=self, task_id=held.task_id, key=held.lock.key, validity=held.lock.validity
         )
         return extended
+
+    # -- enqueue-time de-duplication (lock_on_enqueue=True) ----------------------------------
+
+    def apply_async(
+        self,
+        args: Sequence[Any] | None = None,
+        kwargs: dict[str, Any] | None = None,
+        task_id: str | None = None,
+        **options: Any,
+    ) -> Any:
+        """Queue the task; with ``lock_on_enqueue``, return the queued or running call's
+        ``AsyncResult`` instead of queueing a duplicate.
+
+        The enqueue takes the run's lock on behalf of the new task id; the run takes it over.
+        Retries (same task id) are always queued; when no quorum answers the call is queued and
+        the execution-time lock still guards it.
+        """
+        if not self.lock_on_enqueue or self.app.conf.task_always_eager:
+            return super().apply_async(args, kwargs, task_id=task_id, **options)
+        runtime = AppRuntime.for_app(self.app)
+        plan = self._lock_plan(runtime)
+        resource = resource_for_call(
+            self.name, self._signature(), args or (), kwargs or {}, plan.lock_args, plan.lock_key
+        )
+        new_id = task_id or uuid()
+        try:
+            lock, contention = runtime.redlock.try_acquire(
+                resource, plan.ttl, owner_text(self.name, new_id, 0, queued=True)
+            )
+        except QuorumUnavailable as error:
+            logger.warning(
+                "queueing %s[%s] without enqueue de-duplication: %s", self.name, new_id, error
+            )
+            lock = contention = None
+        if lock is None and contention is not None:
+            holder_id = parse_owner(contention.holder).get("id")
+            if isinstance(holder_id, str) and holder_id != new_id:
+                logger.info(
+                    "not queueing %s: the same call is already queued or running as %s",
+                    self.name,
+                    holder_id,
+                )
+                return self.AsyncResult(holder_id)
+        return super().apply_async(args, kwargs, task_id=new_id, **options)
 
     # -- the hook ----------------------------------------------------------------------------
 
@@ -196,7 +254,8 @@ class SingletonTask(Task):  # type: ignore[misc]
         owner = owner_text(self.name, request.id, request.retries or 0)
         key = runtime.redlock.key_for(resource)
         try:
-            lock, contention = runtime.redlock.try_acquire(resource, plan.ttl, owner)
+            take_over = queued_fragment(request.id) if self.lock_on_enqueue and request.id else ""
+            lock, contention = runtime.redlock.try_acquire(resource, plan.ttl, owner, take_over)
             if lock is not None:
                 return lock
             assert contention is not None
