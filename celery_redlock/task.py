@@ -21,7 +21,13 @@ from celery.exceptions import Ignore
 from celery.utils import uuid
 
 from . import signals, wiring
-from .errors import ConfigurationError, DuplicateSkipped, LockNotAcquired, QuorumUnavailable
+from .errors import (
+    ConfigurationError,
+    DuplicateSkipped,
+    LockNotAcquired,
+    QuorumUnavailable,
+    RedlockError,
+)
 from .extension import KeptLock
 from .keys import LockKey, check_lock_args, resource_for_call
 from .redlock import Contention, Lock
@@ -130,8 +136,9 @@ class SingletonTask(Task):  # type: ignore[misc]
         """
         held: HeldLock | None = getattr(self.request, HELD_ATTRIBUTE, None)
         if held is None:
-            raise LockNotAcquired(
-                "(none)", "nobody: extend_lock() was called outside a run that holds a lock"
+            raise RedlockError(
+                f"{self.name}.extend_lock() was called outside a run that holds a lock; call it "
+                "from the task body (a bound task: bind=True) while the run holds its lock"
             )
         extended = held.runtime.keeper.extend_now(held.kept, ttl)
         signals.lock_extended.send(
