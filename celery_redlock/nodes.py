@@ -281,16 +281,18 @@ class NodeGroup:
         arguments: Sequence[str | int],
         succeeded: Callable[[Any], bool],
         wait: bool = True,
+        every: bool = False,
     ) -> RoundResult:
         """Run ``script`` on every node at once and collect replies until the outcome is known.
 
         The outcome is known when a quorum succeeded, when a quorum can no longer succeed, or
-        when ``node_timeout`` has passed. With ``wait=False`` the commands are only sent (their
-        replies are skipped by a later round), for clean-ups nobody waits on.
+        when ``node_timeout`` has passed; with ``every=True`` only when every node answered or
+        timed out (operators' commands that report per node). With ``wait=False`` the commands
+        are only sent (their replies are skipped by a later round), for clean-ups nobody waits on.
         """
         links = self._checkout()
         try:
-            return self._run(links, script, keys, arguments, succeeded, wait)
+            return self._run(links, script, keys, arguments, succeeded, wait, every)
         finally:
             self._checkin(links)
 
@@ -302,6 +304,7 @@ class NodeGroup:
         arguments: Sequence[str | int],
         succeeded: Callable[[Any], bool],
         wait: bool,
+        every: bool,
     ) -> RoundResult:
         count = len(links)
         started = time.monotonic()
@@ -333,6 +336,8 @@ class NodeGroup:
         needed_failures = count - self.quorum + 1
 
         def decided() -> bool:
+            if every:
+                return False
             if successes >= self.quorum:
                 return True
             if failures < needed_failures:

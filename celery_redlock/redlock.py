@@ -263,7 +263,8 @@ class Redlock:
             if holder and len(remaining_ms) >= self.quorum:
                 owner = holder.partition("|")[2] or None
                 # The holder's lock is gone once a majority of its keys expired.
-                expires = sorted(remaining_ms)[self.quorum - 1] if remaining_ms else 0
+                # Sorted soonest first: the majority is gone once all but quorum - 1 expired.
+                expires = sorted(remaining_ms)[len(remaining_ms) - self.quorum]
                 return Contention(owner, max(expires, 0) / 1000)
         return None
 
@@ -330,14 +331,14 @@ class Redlock:
         ``owner_fragment``; returns on how many nodes. For freeing a lost process's lock."""
         key = self.key_for(resource)
         result = self._group.run(
-            scripts.RELEASE_IF_OWNER_MATCHES, (key,), (owner_fragment, key), _is_one
+            scripts.RELEASE_IF_OWNER_MATCHES, (key,), (owner_fragment, key), _is_one, every=True
         )
         return result.successes
 
     def force_release(self, resource: str) -> int:
         """Delete the lock on ``resource`` whoever holds it (operators only); nodes that did."""
         key = self.key_for(resource)
-        result = self._group.run(scripts.FORCE_RELEASE, (key,), (key,), _is_one)
+        result = self._group.run(scripts.FORCE_RELEASE, (key,), (key,), _is_one, every=True)
         return result.successes
 
     @contextmanager
