@@ -15,6 +15,7 @@ import os
 import select
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -156,8 +157,13 @@ class Link:
         return sock.fileno() if sock is not None else -1
 
     def send(self, packed: list[bytes], now: float, node_timeout: float) -> bool:
-        """Send one packed command; False (and the node backed off) if that failed."""
-        if self.owed and now - self.oldest_sent > node_timeout and not self._drain():
+        """Send one packed command; False (and the node backed off) if that failed.
+
+        Ages are measured on the clock, not from ``now`` (the round's start): connecting to
+        hung nodes earlier in the same round can take longer than ``node_timeout``, and a
+        command sent after that must not count as already overdue.
+        """
+        if self.owed and time.monotonic() - self.oldest_sent > node_timeout and not self._drain():
             self.fail(now, "no reply within node_timeout")
             return False
         try:
@@ -168,7 +174,7 @@ class Link:
             self.fail(now, error)
             return False
         if not self.owed:
-            self.oldest_sent = now
+            self.oldest_sent = time.monotonic()
         self.owed += 1
         return True
 
@@ -236,43 +242,44 @@ class RoundResult:
     finished_at: float
 
 
-class NodeGroup:
-    """The lock nodes of one `Redlock`, with per-thread sets of connections opened lazily.
+class LinkSet:
+    """One connection per node, owned by one thread of one process."""
 
-    Connections are opened in the process that uses them: after a fork, the child drops the
-    parent's connections without touching the sockets and opens its own.
+    def __init__(self, nodes: Sequence[Node]) -> None:
+        self.links = [Link(node) for node in nodes]
+        self.pid = os.getpid()
+
+
+class NodeGroup:
+    """The lock nodes of one `Redlock`, with one set of connections per thread, opened lazily.
+
+    A thread always uses the same connections, so its commands reach each node in the order it
+    sent them (a release never overtakes its own acquisition's late SET). Connections are opened
+    in the process that uses them: after a fork, the child leaves the parent's sockets alone and
+    opens its own.
     """
 
     def __init__(self, urls: Sequence[str], node_timeout: float) -> None:
         self.nodes = [Node(url, node_timeout) for url in urls]
         self.node_timeout = node_timeout
         self.quorum = len(self.nodes) // 2 + 1
-        self._idle: list[list[Link]] = []
-        self._idle_guard = threading.Lock()
-        self._pid = os.getpid()
+        self._per_thread = threading.local()
+        self._all_sets: weakref.WeakSet[LinkSet] = weakref.WeakSet()
 
-    def _checkout(self) -> list[Link]:
-        with self._idle_guard:
-            if self._pid != os.getpid():
-                # Forked: the parent's sockets are not ours to use or to close.
-                self._idle = []
-                self._pid = os.getpid()
-            if self._idle:
-                return self._idle.pop()
-        return [Link(node) for node in self.nodes]
-
-    def _checkin(self, links: list[Link]) -> None:
-        with self._idle_guard:
-            if self._pid == os.getpid():
-                self._idle.append(links)
+    def _links(self) -> LinkSet:
+        links: LinkSet | None = getattr(self._per_thread, "links", None)
+        if links is None or links.pid != os.getpid():
+            links = LinkSet(self.nodes)
+            self._per_thread.links = links
+            self._all_sets.add(links)
+        return links
 
     def close(self) -> None:
-        """Close every idle connection (connections in use are closed when returned)."""
-        with self._idle_guard:
-            idle, self._idle = self._idle, []
-        for links in idle:
-            for link in links:
-                link.close()
+        """Close this process's connections to the nodes; later rounds open new ones."""
+        for links in list(self._all_sets):
+            if links.pid == os.getpid():
+                for link in links.links:
+                    link.close()
 
     def run(
         self,
@@ -290,11 +297,7 @@ class NodeGroup:
         timed out (operators' commands that report per node). With ``wait=False`` the commands
         are only sent (their replies are skipped by a later round), for clean-ups nobody waits on.
         """
-        links = self._checkout()
-        try:
-            return self._run(links, script, keys, arguments, succeeded, wait, every)
-        finally:
-            self._checkin(links)
+        return self._run(self._links().links, script, keys, arguments, succeeded, wait, every)
 
     def _run(
         self,
