@@ -456,7 +456,7 @@ class Target:
     @property
     def verdict(self) -> str:
         if self.value is None:
-            return "MISS (not measured)"
+            return "SKIP (not measured)"
         return "PASS" if self.value <= self.limit else "MISS"
 
 
