@@ -23,7 +23,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis
 from redis.backoff import NoBackoff
-from redis.connection import AbstractConnection, ConnectionPool
+from redis.connection import AbstractConnection, Connection, ConnectionPool
 from redis.exceptions import NoScriptError
 from redis.exceptions import RedisError as RedisClientError
 from redis.retry import Retry
@@ -45,6 +45,18 @@ class _NoReply:
 
 
 NO_REPLY: Any = _NoReply()
+
+
+def _no_client_setinfo() -> dict[str, Any]:
+    """Connection arguments that turn off CLIENT SETINFO (spelled differently across redis-py)."""
+    try:
+        Connection(driver_info=None)  # redis-py 7 and later
+    except TypeError:
+        return {"lib_name": None, "lib_version": None}
+    return {"driver_info": None}
+
+
+_NO_CLIENT_SETINFO = _no_client_setinfo()
 
 
 def redact_url(url: str) -> str:
@@ -98,6 +110,9 @@ class Node:
         self.name = redact_url(url)
         self._connection_class: type[AbstractConnection] = pool.connection_class
         self._connection_kwargs: dict[str, Any] = dict(pool.connection_kwargs)
+        # No CLIENT SETINFO in the handshake: connecting to a hung node then costs nothing until
+        # the round's own command, which every node is waited for in parallel.
+        self._connection_kwargs.update(_NO_CLIENT_SETINFO)
         self._down_until = 0.0
         self._backoff = 0.0
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from celery import Task, shared_task, states
+from celery._state import _task_stack
 from celery.exceptions import Ignore
 from celery.utils import uuid
 
@@ -68,6 +69,8 @@ class SingletonTask(Task):  # type: ignore[misc]
     """
 
     abstract = True
+    # Frees the lock from the worker's main process when the process running the task is lost.
+    Request = "celery_redlock.wiring:LockAwareRequest"
 
     lock_ttl: ClassVar[float | None] = None
     lock_auto_extend: ClassVar[bool | None] = None
@@ -111,6 +114,10 @@ class SingletonTask(Task):  # type: ignore[misc]
                 f"lock_key of task {name!r} must be a str.format template or a callable "
                 f"returning a str, got {cls.lock_key!r}"
             )
+        if inspect.isfunction(cls.__dict__.get("lock_key")):
+            # A function stored on the class would be bound as a method and get the task as its
+            # first argument; lock_key callables take the call's arguments only.
+            cls.lock_key = staticmethod(cls.__dict__["lock_key"])
         if cls.lock_args is not None:
             if isinstance(cls.lock_args, str) or not isinstance(cls.lock_args, (list, tuple)):
                 raise ConfigurationError(
@@ -238,9 +245,15 @@ class SingletonTask(Task):  # type: ignore[misc]
                 return None
             raise LockNotAcquired(runtime.redlock.key_for(resource))
         held = HeldLock(runtime, self._keep(runtime, plan, lock), None, 0.0, time.monotonic())
+        # What Task.__call__ does, with the held lock in the request (for self.lock and
+        # self.extend_lock() in the body).
+        _task_stack.push(self)
+        self.push_request(args=args, kwargs=kwargs, **{HELD_ATTRIBUTE: held})
         try:
-            return super().__call__(*args, **kwargs)
+            return self.run(*args, **kwargs)
         finally:
+            self.pop_request()
+            _task_stack.pop()
             runtime.release(held, states.SUCCESS)
 
     def _keep(self, runtime: AppRuntime, plan: LockPlan, lock: Lock) -> KeptLock:

@@ -1,10 +1,11 @@
-"""Connections to Celery's signals: release after every run, clean up after lost processes.
+"""Where celery_redlock hooks into the worker: release after every run, clean up after lost
+processes.
 
 - ``task_postrun`` fires for every outcome (success, failure, retry, ignore, reject), unlike
   ``Task.after_return``; it releases the run's lock (or keeps it ``lock_hold`` seconds).
 - When a prefork child is killed, times out hard or is terminated by ``revoke(terminate=True)``,
-  its own code never runs again: the worker's main process frees the lock by the task id stored
-  with it (``task_failure`` with WorkerLostError/TimeLimitExceeded, ``task_revoked``).
+  its own code never runs again: `LockAwareRequest`, in the worker's main process, frees the
+  lock by the task id stored with it.
 - ``worker_ready`` checks the settings and warns about lock nodes that do not answer.
 """
 
@@ -14,9 +15,9 @@ import logging
 import time
 from typing import Any
 
-from billiard.exceptions import WorkerLostError
+from billiard.exceptions import Terminated, WorkerLostError
 from celery import signals as celery_signals
-from celery.exceptions import TimeLimitExceeded
+from celery.worker.request import Request
 from redis.exceptions import RedisError as RedisClientError
 
 from . import signals
@@ -25,6 +26,9 @@ from .keys import resource_for_call
 from .runtime import AppRuntime, HeldLock
 
 logger = logging.getLogger(__name__)
+
+# How the main process learns that the process running a task is gone.
+PROCESS_LOST_ERRORS = (WorkerLostError, Terminated, SystemExit, KeyboardInterrupt)
 
 HELD_ATTRIBUTE = "celery_redlock_held"
 
@@ -81,30 +85,32 @@ def _release_for_lost_process(task: Any, task_id: str | None, args: Any, kwargs:
         logger.info("freed the lock of task %s[%s], whose process was lost", task.name, task_id)
 
 
-def release_after_lost_process(
-    sender: Any = None,
-    task_id: str | None = None,
-    exception: BaseException | None = None,
-    args: Any = None,
-    kwargs: Any = None,
-    **_: Any,
-) -> None:
-    """A child died (WorkerLostError) or hit its hard time limit: free its lock now."""
-    if isinstance(exception, (WorkerLostError, TimeLimitExceeded)):
-        _release_for_lost_process(sender, task_id, args, kwargs)
+class LockAwareRequest(Request):  # type: ignore[misc]
+    """The worker's request object for singleton tasks (``SingletonTask.Request``).
 
+    Runs in the worker's main process. When the process running a singleton task is lost — a
+    prefork child killed (SIGKILL, OOM), terminated by ``revoke(terminate=True)``, or stopped at
+    its hard time limit — it frees that run's lock by task id *before* Celery requeues or
+    reports the task, so a requeued copy (``reject_on_worker_lost``) is not mistaken for a
+    redelivered duplicate and nothing waits a full ttl. A custom ``Request`` for a singleton task
+    must subclass this one.
+    """
 
-def release_after_terminate(
-    sender: Any = None, request: Any = None, terminated: bool = False, **_: Any
-) -> None:
-    """``revoke(terminate=True)`` killed a running child: free its lock now."""
-    if terminated and request is not None:
-        _release_for_lost_process(
-            sender,
-            getattr(request, "id", None),
-            getattr(request, "args", ()),
-            getattr(request, "kwargs", {}),
+    def on_failure(
+        self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False
+    ) -> Any:
+        exception = getattr(exc_info, "exception", None)
+        exception = getattr(exception, "exc", exception)  # unwrap ExceptionWithTraceback
+        if isinstance(exception, PROCESS_LOST_ERRORS):
+            _release_for_lost_process(self.task, self.id, self.args, self.kwargs)
+        return super().on_failure(
+            exc_info, send_failed_event=send_failed_event, return_ok=return_ok
         )
+
+    def on_timeout(self, soft: bool, timeout: float) -> Any:
+        if not soft:
+            _release_for_lost_process(self.task, self.id, self.args, self.kwargs)
+        return super().on_timeout(soft, timeout)
 
 
 def check_lock_nodes(sender: Any = None, **_: Any) -> None:
@@ -132,12 +138,6 @@ def check_lock_nodes(sender: Any = None, **_: Any) -> None:
 # The only module-level state of the package: these connections.
 celery_signals.task_postrun.connect(
     release_after_run, weak=False, dispatch_uid="celery_redlock.release_after_run"
-)
-celery_signals.task_failure.connect(
-    release_after_lost_process, weak=False, dispatch_uid="celery_redlock.release_after_lost_process"
-)
-celery_signals.task_revoked.connect(
-    release_after_terminate, weak=False, dispatch_uid="celery_redlock.release_after_terminate"
 )
 celery_signals.worker_ready.connect(
     check_lock_nodes, weak=False, dispatch_uid="celery_redlock.check_lock_nodes"

@@ -366,14 +366,6 @@ def test_redelivery_after_visibility_timeout_runs_once(redis_nodes: MakeRedisNod
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "known bug: the requeued copy finds the dead child's lock (same task id and attempt) "
-        "and is ignored as a broker redelivery of a running task; Celery sends no task_failure "
-        "when it requeues, so nothing frees that lock first, and the task never runs"
-    ),
-)
 def test_requeued_task_of_a_killed_child_runs_again(redis_nodes: MakeRedisNodes) -> None:
     broker = redis_nodes(1)[0]
     locks = redis_nodes(3)
