@@ -1,0 +1,478 @@
+"""Helpers shared by the tests/test_celery_*.py modules.
+
+- `make_app`: a Celery app whose broker and result back-end are a harness Redis node and whose
+  lock nodes are other harness nodes (never the shared Redis on 6379).
+- `embedded_worker`: Celery's own embedded worker thread (``start_worker``), threads or solo pool.
+- `RunLog`: every task run appends (key, start, end, pid, thread, task id) to a Redis list on a
+  harness node, so a test can assert that no two runs of one key ever overlapped, across
+  threads and processes alike.
+- `SubprocessWorker`: a real ``celery -A ... worker -P prefork`` process with a ping readiness
+  loop and guaranteed termination (its own process group, killed at teardown).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import itertools
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import redis
+from celery import Celery
+from celery.contrib.testing.worker import start_worker
+
+from celery_redlock import signals as lock_signals_module
+from celery_redlock.testing import RedisNodes, RedisServer
+
+TESTS_DIRECTORY = Path(__file__).resolve().parent.parent
+LOCK_EVENTS_KEY = "lock-events"  # where celery_apps.prefork_app records lock signals
+
+
+def wait_until(condition: Callable[[], object], timeout: float = 10.0) -> bool:
+    """Poll ``condition`` every few milliseconds; True as soon as it holds, False at timeout."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if condition():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.005)
+
+
+def documented_key(
+    task_name: str, arguments: dict[str, Any] | None, prefix: str = "redlock:"
+) -> str:
+    """The Redis key the README documents, computed independently of celery_redlock.keys:
+    prefix + task name + ':' + sha256 of the canonical JSON of the bound arguments (None:
+    ``lock_args=()``, the task name alone)."""
+    if arguments is None:
+        return prefix + task_name
+    text = json.dumps(arguments, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return f"{prefix}{task_name}:{hashlib.sha256(text.encode()).hexdigest()}"
+
+
+def template_key(rendered: str, prefix: str = "redlock:") -> str:
+    """The key of a ``lock_key`` template or callable that rendered ``rendered``."""
+    return f"{prefix}key:{hashlib.sha256(rendered.encode()).hexdigest()}"
+
+
+def make_app(
+    broker: RedisServer,
+    lock_nodes: RedisNodes | Sequence[str] | None = None,
+    **conf: Any,
+) -> Celery:
+    """A fresh Celery app on harness nodes: ``broker`` is broker and result back-end.
+
+    ``lock_nodes`` become ``redlock_urls`` (None: leave the setting unset, so it defaults to the
+    broker). ``conf`` overrides anything.
+    """
+    app = Celery(f"crl_{uuid.uuid4().hex[:10]}", set_as_current=False)
+    app.conf.update(
+        broker_url=broker.url,
+        result_backend=broker.url,
+        broker_connection_retry_on_startup=True,
+        worker_hijack_root_logger=False,
+        worker_prefetch_multiplier=1,
+        task_store_errors_even_if_ignored=True,
+        # BRPOP times out every 0.1 s instead of 1 s: the embedded worker stops in ~0.2 s.
+        broker_transport_options={"polling_interval": 0.1},
+        # The 50 ms default per-node timeout counts a reply delayed by a busy CI machine as a
+        # node failure; these tests are about Celery, not about slow nodes.
+        redlock_node_timeout=0.5,
+    )
+    if lock_nodes is not None:
+        urls = lock_nodes.urls if isinstance(lock_nodes, RedisNodes) else list(lock_nodes)
+        app.conf.redlock_urls = urls
+    app.conf.update(conf)
+    return app
+
+
+@contextlib.contextmanager
+def embedded_worker(
+    app: Celery, pool: str = "threads", concurrency: int = 4, **options: Any
+) -> Iterator[Any]:
+    """Celery's embedded worker thread on ``app`` (tasks must be defined before it starts)."""
+    with start_worker(
+        app,
+        pool=pool,
+        concurrency=concurrency,
+        perform_ping_check=False,
+        loglevel="WARNING",
+        shutdown_timeout=30.0,
+        **options,
+    ) as worker:
+        yield worker
+
+
+class LockSignals:
+    """Records the `celery_redlock.signals` sent in this process (embedded workers run here)."""
+
+    NAMES = (
+        "lock_acquired",
+        "lock_duplicate",
+        "lock_extended",
+        "lock_lost",
+        "lock_released",
+        "lock_unavailable",
+    )
+
+    def __init__(self) -> None:
+        self.events: list[dict[str, Any]] = []
+        self._changed = threading.Condition()
+        self._receivers: list[tuple[Any, Callable[..., None]]] = []
+
+    def connect(self) -> LockSignals:
+        """Start recording."""
+        for name in self.NAMES:
+            signal_object = getattr(lock_signals_module, name)
+
+            def receive(sender: Any = None, _name: str = name, **fields: Any) -> None:
+                fields.pop("signal", None)
+                event = {"signal": _name, "task": getattr(sender, "name", None), **fields}
+                event["at"] = time.time()
+                with self._changed:
+                    self.events.append(event)
+                    self._changed.notify_all()
+
+            signal_object.connect(receive, weak=False)
+            self._receivers.append((signal_object, receive))
+        return self
+
+    def disconnect(self) -> None:
+        """Stop recording."""
+        for signal_object, receive in self._receivers:
+            signal_object.disconnect(receive)
+        self._receivers.clear()
+
+    def of(self, name: str, **match: Any) -> list[dict[str, Any]]:
+        """The recorded events of signal ``name`` whose fields equal ``match``."""
+        with self._changed:
+            return [
+                event
+                for event in self.events
+                if event["signal"] == name
+                and all(event.get(field) == value for field, value in match.items())
+            ]
+
+    def wait(
+        self, name: str, count: int = 1, timeout: float = 10.0, **match: Any
+    ) -> list[dict[str, Any]]:
+        """Wait for ``count`` events of signal ``name`` matching ``match``; fail at timeout."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while len(self.of(name, **match)) < count:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise AssertionError(
+                        f"fewer than {count} {name} signal(s) matching {match}: {self.events}"
+                    )
+                self._changed.wait(left)
+            return self.of(name, **match)
+
+
+class RunLog:
+    """Task runs recorded in Redis lists on a harness node, readable from any process.
+
+    A task body wraps its work in ``with log.run(key):``; ``started`` is appended when the body
+    begins, ``runs`` when it ends (with both timestamps). Timestamps are ``time.time()``, which
+    every process on this machine shares.
+    """
+
+    def __init__(self, url: str, name: str = "runlog") -> None:
+        self.url = url
+        self.started_key = f"{name}:started"
+        self.runs_key = f"{name}:runs"
+        self._client: redis.Redis | None = None
+        self._pid = 0
+        self._guard = threading.Lock()
+
+    @property
+    def client(self) -> redis.Redis:
+        """A client of this process (re-created after a fork)."""
+        with self._guard:
+            if self._client is None or self._pid != os.getpid():
+                self._client = redis.Redis.from_url(
+                    self.url, decode_responses=True, socket_timeout=5
+                )
+                self._pid = os.getpid()
+            return self._client
+
+    @contextlib.contextmanager
+    def run(self, key: str, **extra: Any) -> Iterator[dict[str, Any]]:
+        """Record one run of ``key`` around the block."""
+        entry: dict[str, Any] = {
+            "run": uuid.uuid4().hex,
+            "key": key,
+            "pid": os.getpid(),
+            "thread": threading.get_ident(),
+            "start": time.time(),
+            **extra,
+        }
+        self.client.rpush(self.started_key, json.dumps(entry))
+        try:
+            yield entry
+        finally:
+            entry["end"] = time.time()
+            self.client.rpush(self.runs_key, json.dumps(entry))
+
+    def started(self, key: str | None = None) -> list[dict[str, Any]]:
+        """Runs that began, in order (finished or not)."""
+        entries = [json.loads(item) for item in self.client.lrange(self.started_key, 0, -1)]
+        return [entry for entry in entries if key is None or entry["key"] == key]
+
+    def runs(self, key: str | None = None) -> list[dict[str, Any]]:
+        """Runs that ended, in order of their end."""
+        entries = [json.loads(item) for item in self.client.lrange(self.runs_key, 0, -1)]
+        return [entry for entry in entries if key is None or entry["key"] == key]
+
+    def wait_started(
+        self, count: int = 1, key: str | None = None, timeout: float = 10.0
+    ) -> list[dict[str, Any]]:
+        """Wait until ``count`` runs (of ``key``) began; fail the test after ``timeout``."""
+        if not wait_until(lambda: len(self.started(key)) >= count, timeout):
+            raise AssertionError(f"{count} run(s) of {key!r} did not start: {self.started()}")
+        return self.started(key)
+
+    def wait_runs(
+        self, count: int = 1, key: str | None = None, timeout: float = 10.0
+    ) -> list[dict[str, Any]]:
+        """Wait until ``count`` runs (of ``key``) ended; fail the test after ``timeout``."""
+        if not wait_until(lambda: len(self.runs(key)) >= count, timeout):
+            raise AssertionError(f"{count} run(s) of {key!r} did not end: {self.runs()}")
+        return self.runs(key)
+
+    def wait_task_started(self, task_id: str, timeout: float = 10.0) -> dict[str, Any]:
+        """Wait for the run of task ``task_id`` (recorded with ``task_id=``) to begin."""
+
+        def found() -> list[dict[str, Any]]:
+            return [entry for entry in self.started() if entry.get("task_id") == task_id]
+
+        if not wait_until(found, timeout):
+            raise AssertionError(f"task {task_id} did not start: {self.started()}")
+        return found()[0]
+
+    def mark_ended(self, run: dict[str, Any], end: float) -> None:
+        """Record the end of a run whose process was killed (it never records one itself)."""
+        self.client.rpush(self.runs_key, json.dumps({**run, "end": end, "killed": True}))
+
+    def intervals(self) -> dict[str, list[tuple[float, float]]]:
+        """Per key, the (start, end) of every run; a run still going ends at infinity."""
+        ended = {entry["run"]: entry["end"] for entry in self.runs()}
+        by_key: dict[str, list[tuple[float, float]]] = {}
+        for entry in self.started():
+            end = ended.get(entry["run"], float("inf"))
+            by_key.setdefault(entry["key"], []).append((entry["start"], end))
+        return by_key
+
+    def assert_no_overlap(self) -> None:
+        """No two runs of one key were ever under way at the same time."""
+        for key, spans in self.intervals().items():
+            spans.sort()
+            for (_, previous_end), (start, _) in itertools.pairwise(spans):
+                assert start >= previous_end, (
+                    f"runs of {key!r} overlapped: one started at {start:.3f} before the "
+                    f"previous one ended at {previous_end:.3f} ({spans})"
+                )
+
+
+FENCE_SUFFIX = ":fence"  # a lock's fencing counter, which outlives its release until its ttl
+
+
+def lock_keys(nodes: RedisNodes) -> list[set[str]]:
+    """The lock keys on each lock node (fencing counters left out)."""
+    return [{key for key in keys if not key.endswith(FENCE_SUFFIX)} for keys in all_keys(nodes)]
+
+
+def all_keys(nodes: RedisNodes) -> list[set[str]]:
+    """Every key on each lock node."""
+    found = []
+    for server in nodes:
+        with server.client(decode_responses=True, socket_timeout=2) as client:
+            found.append(set(client.scan_iter()))
+    return found
+
+
+def stored_text(nodes: RedisNodes) -> list[str]:
+    """Every key on every lock node, and every value of whatever type, as text."""
+    texts: list[str] = []
+    for server in nodes:
+        with server.client(decode_responses=True, socket_timeout=2) as client:
+            for key in client.scan_iter():
+                texts.append(key)
+                kind = client.type(key)
+                if kind == "string":
+                    texts.append(client.get(key) or "")
+                elif kind == "hash":
+                    texts.extend(f"{k}={v}" for k, v in client.hgetall(key).items())
+                elif kind == "list":
+                    texts.extend(client.lrange(key, 0, -1))
+                elif kind in ("set", "zset"):
+                    texts.extend(
+                        client.zrange(key, 0, -1) if kind == "zset" else client.smembers(key)
+                    )
+                else:
+                    texts.append(f"<{kind}>")
+    return texts
+
+
+def holders(nodes: RedisNodes, key: str) -> list[str | None]:
+    """The value of ``key`` on each lock node (None where absent)."""
+    values = []
+    for server in nodes:
+        with server.client(decode_responses=True, socket_timeout=2) as client:
+            values.append(client.get(key))
+    return values
+
+
+def pttls(nodes: RedisNodes, key: str) -> list[int]:
+    """PTTL of ``key`` on each lock node in milliseconds (-2 where absent)."""
+    found = []
+    for server in nodes:
+        with server.client(socket_timeout=2) as client:
+            found.append(int(client.pttl(key)))
+    return found
+
+
+def key_held(nodes: RedisNodes, key: str) -> bool:
+    """Whether a majority of the lock nodes hold ``key``."""
+    return sum(value is not None for value in holders(nodes, key)) * 2 > len(nodes)
+
+
+def key_gone(nodes: RedisNodes, key: str) -> bool:
+    """Whether no lock node holds ``key``."""
+    return all(value is None for value in holders(nodes, key))
+
+
+class SubprocessWorker:
+    """A real ``celery worker -P prefork`` subprocess of ``app_module``.
+
+    Started in its own process group so that teardown can end the worker and every pool child
+    it forked; stdout and stderr go to a log file shown when something fails.
+    """
+
+    def __init__(
+        self,
+        app_module: str,
+        name: str,
+        environment: dict[str, str],
+        concurrency: int = 2,
+        extra_args: Sequence[str] = (),
+    ) -> None:
+        self.app_module = app_module
+        self.hostname = f"{name}@{socket.gethostname()}"
+        self.environment = environment
+        self.concurrency = concurrency
+        self.extra_args = tuple(extra_args)
+        self.process: subprocess.Popen[bytes] | None = None
+        self._log = Path(tempfile.mkstemp(prefix=f"celery-{name}-", suffix=".log")[1])
+
+    def start(self) -> SubprocessWorker:
+        """Launch the worker (returns at once; see `wait_ready`)."""
+        environment = dict(os.environ)
+        environment.update(self.environment)
+        environment["PYTHONPATH"] = os.pathsep.join(
+            [str(TESTS_DIRECTORY), environment.get("PYTHONPATH", "")]
+        ).rstrip(os.pathsep)
+        command = [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            self.app_module,
+            "worker",
+            "-P",
+            "prefork",
+            "-c",
+            str(self.concurrency),
+            "-n",
+            self.hostname,
+            "--loglevel",
+            "INFO",
+            "--without-mingle",
+            "--without-gossip",
+            "--without-heartbeat",
+            *self.extra_args,
+        ]
+        with self._log.open("wb") as log:
+            self.process = subprocess.Popen(
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=environment,
+                cwd=str(TESTS_DIRECTORY),
+                start_new_session=True,
+            )
+        return self
+
+    @property
+    def pid(self) -> int:
+        """The worker's main process id."""
+        assert self.process is not None
+        return self.process.pid
+
+    def wait_ready(self, app: Celery, timeout: float = 30.0) -> None:
+        """Wait until the worker answers ``app.control.ping``."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.process is not None
+            if self.process.poll() is not None:
+                raise AssertionError(
+                    f"worker {self.hostname} exited with {self.process.returncode}:\n"
+                    f"{self.log_tail()}"
+                )
+            replies = app.control.ping(destination=[self.hostname], timeout=0.3)
+            if any(self.hostname in reply for reply in replies):
+                return
+        raise AssertionError(f"worker {self.hostname} never answered ping:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 60) -> str:
+        """The end of the worker's output."""
+        try:
+            text = self._log.read_text(errors="replace")
+        except OSError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def log_text(self) -> str:
+        """The worker's whole output so far."""
+        return self._log.read_text(errors="replace")
+
+    def request_stop(self) -> None:
+        """Ask for a cold shutdown (SIGQUIT) without waiting; `stop` finishes the job."""
+        if self.process is not None and self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.process.pid, signal.SIGQUIT)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """End the worker and its pool children: cold shutdown, then SIGKILL to its group."""
+        process = self.process
+        if process is None:
+            return
+        if process.poll() is None:
+            self.request_stop()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout)
+        # The group is the worker's own (start_new_session): the worker and its pool children.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(5)
+        self.process = None
+
+    def remove_log(self) -> None:
+        """Delete the log file."""
+        with contextlib.suppress(OSError):
+            self._log.unlink()
