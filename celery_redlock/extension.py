@@ -75,14 +75,17 @@ class LockKeeper:
             kept.stopped = True
 
     def extend_now(self, kept: KeptLock, ttl: float | None = None) -> bool:
-        """Extend immediately; raises `LockLost` when the lock is gone (or was lost before)."""
+        """Extend immediately: True if a majority extended it, False if not (no quorum answered
+        but the lock is still valid); raises `LockLost` when the lock is gone (or was lost
+        before). A loss found here is reported like one found by the extension thread."""
         with kept.guard:
             if kept.is_lost:
                 raise LockLost(kept.lock.key, kept.lost_reason)
-            self._extend(kept, ttl)
+            extended = self._extend(kept, ttl)
             if kept.is_lost:
+                self._report_lost(kept)
                 raise LockLost(kept.lock.key, kept.lost_reason)
-            return True
+            return extended
 
     def _schedule(self, kept: KeptLock, when: float) -> None:
         kept.next_at = when
@@ -124,8 +127,9 @@ class LockKeeper:
                     continue
                 self._schedule(kept, kept.next_at)
 
-    def _extend(self, kept: KeptLock, ttl: float | None) -> None:
-        """One extension attempt; sets ``next_at`` or ``lost_reason``. Caller holds the guard."""
+    def _extend(self, kept: KeptLock, ttl: float | None) -> bool:
+        """One extension attempt; sets ``next_at`` or ``lost_reason`` and returns whether it
+        extended. Caller holds the guard."""
         lock = kept.lock
         ttl = lock.ttl if ttl is None else ttl
         now = time.monotonic()
@@ -134,7 +138,7 @@ class LockKeeper:
             if ttl < SHORTEST_EXTENSION_SECONDS:
                 # The run's hard time limit is reached: the lock expires with it.
                 kept.next_at = float("inf")
-                return
+                return False
         try:
             extended = self.redlock.extend(lock, ttl)
         except RedlockError as error:
@@ -142,7 +146,7 @@ class LockKeeper:
             logger.warning("extending lock %s failed: %s", lock.key, error)
         if extended:
             kept.next_at = time.monotonic() + lock.validity / 3
-            return
+            return True
         remaining = lock.remaining()
         if remaining <= 0:
             kept.lost_reason = (
@@ -150,9 +154,10 @@ class LockKeeper:
                 if lock.valid_until == 0.0
                 else "no quorum of lock nodes confirmed an extension before its validity ran out"
             )
-            return
+            return False
         # No quorum answered yet: try again soon, while the lock is still valid.
         kept.next_at = time.monotonic() + min(self.redlock.retry_delay, remaining / 3)
+        return False
 
     def _report_lost(self, kept: KeptLock) -> None:
         logger.error("lock %s was lost: %s", kept.lock.key, kept.lost_reason)
