@@ -383,7 +383,12 @@ class SingletonTask(Task):  # type: ignore[misc]
         the one that fits, with `DuplicateSkipped` as the result ``AsyncResult.get()`` raises.
         """
         request = self.request
-        if request.id is None or self.ignore_result or getattr(request, "ignore_result", False):
+        if (
+            request.id is None
+            or request.is_eager
+            or self.ignore_result
+            or getattr(request, "ignore_result", False)
+        ):
             return
         with contextlib.suppress(NotImplementedError):  # no result backend configured
             self.backend.store_result(request.id, skipped, states.REVOKED, request=request)
