@@ -9,6 +9,7 @@ so a dead or hung node costs at most one timeout per back-off period rather than
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import os
@@ -115,6 +116,9 @@ class Node:
         self._connection_kwargs.update(_NO_CLIENT_SETINFO)
         self._down_until = 0.0
         self._backoff = 0.0
+        self._probe_guard = threading.Lock()
+        self._probing_pid = 0  # the process whose probe thread is checking this node, or 0
+        self._probe_finished = threading.Event()
 
     def new_connection(self) -> AbstractConnection:
         """A fresh, not yet connected connection to this node."""
@@ -129,8 +133,57 @@ class Node:
         )
 
     def is_backed_off(self, now: float) -> bool:
-        """True while the node is skipped after a failure."""
-        return now < self._down_until
+        """True while the node is skipped after a failure.
+
+        Once the back-off period is over, a background thread probes the node (connect, PING)
+        and it stays skipped until it answers: a round never waits on connecting to a node known
+        to have failed (a hung node accepts TCP connections but never answers the handshake, so
+        connecting inside a round costs a full node_timeout per such node, one after the other).
+        """
+        if now < self._down_until:
+            return True
+        if not self._backoff:
+            return False
+        self._start_probe()
+        return True
+
+    def _start_probe(self) -> None:
+        pid = os.getpid()
+        with self._probe_guard:
+            if self._probing_pid == pid:
+                return  # a probe is already on its way in this process
+            self._probing_pid = pid
+            self._probe_finished.clear()
+        threading.Thread(
+            target=self._probe, name=f"celery-redlock probe {self.name}", daemon=True
+        ).start()
+
+    def _probe(self) -> None:
+        connection = self.new_connection()
+        try:
+            connection.connect()
+            connection.send_command("PING", check_health=False)
+            connection.read_response()
+        except (RedisClientError, OSError) as error:
+            self.mark_down(time.monotonic(), error)
+        else:
+            self.mark_up()
+        finally:
+            with contextlib.suppress(RedisClientError, OSError):
+                connection.disconnect()
+            with self._probe_guard:
+                self._probing_pid = 0
+                self._probe_finished.set()
+
+    @property
+    def probing(self) -> bool:
+        """True while this process's probe of the node is under way."""
+        return self._probing_pid == os.getpid()
+
+    def wait_for_probe(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for the probe under way, if any, to finish."""
+        if self.probing and timeout > 0:
+            self._probe_finished.wait(timeout)
 
     def mark_down(self, now: float, reason: object) -> None:
         """Skip this node for a while (doubling each time it fails again, up to a cap)."""
@@ -157,14 +210,15 @@ class Link:
     """One connection to one node, used by one thread at a time.
 
     Replies still owed by the server from earlier rounds that decided without them are counted
-    in ``owed`` and skipped before the reply of the current round is read.
+    in ``owed`` and skipped before the reply of the current round is read; ``sent_at`` holds
+    when each owed command was sent, oldest first.
     """
 
     def __init__(self, node: Node) -> None:
         self.node = node
         self.connection: AbstractConnection | None = None
         self.owed = 0
-        self.oldest_sent = 0.0
+        self.sent_at: collections.deque[float] = collections.deque()
 
     def socket_fileno(self) -> int:
         assert self.connection is not None
@@ -178,7 +232,7 @@ class Link:
         hung nodes earlier in the same round can take longer than ``node_timeout``, and a
         command sent after that must not count as already overdue.
         """
-        if self.owed and time.monotonic() - self.oldest_sent > node_timeout and not self._drain():
+        if self.owed and self._overdue(node_timeout):
             self.fail(now, "no reply within node_timeout")
             return False
         try:
@@ -188,9 +242,8 @@ class Link:
         except (RedisClientError, OSError) as error:
             self.fail(now, error)
             return False
-        if not self.owed:
-            self.oldest_sent = time.monotonic()
         self.owed += 1
+        self.sent_at.append(time.monotonic())
         return True
 
     def send_now(self, packed: bytes) -> None:
@@ -198,21 +251,29 @@ class Link:
         assert self.connection is not None
         self.connection.send_packed_command([packed], check_health=False)
         self.owed += 1
+        self.sent_at.append(time.monotonic())
 
-    def _drain(self) -> bool:
-        """Read replies that already arrived for earlier rounds; True when none is owed."""
+    def _overdue(self, node_timeout: float) -> bool:
+        """True if a reply owed by an earlier round is more than ``node_timeout`` late (after
+        reading those that arrived), or the connection broke. Each owed command has its own send
+        time: one sent by the previous round a moment ago may well still be on its way, and is
+        no failure even if older replies were late (they have arrived since).
+        """
         assert self.connection is not None
+        if time.monotonic() - self.sent_at[0] <= node_timeout:
+            return False
         try:
             while self.owed and self.connection.can_read(timeout=0):
                 self._read()
         except (RedisClientError, OSError):
-            return False
-        return self.owed == 0
+            return True
+        return bool(self.owed) and time.monotonic() - self.sent_at[0] > node_timeout
 
     def _read(self) -> Any:
         """One reply; an error reply (such as NOSCRIPT) is returned, not raised."""
         assert self.connection is not None
         self.owed -= 1
+        self.sent_at.popleft()
         try:
             reply = self.connection.read_response()
         except redis.ResponseError as error:
@@ -229,9 +290,7 @@ class Link:
             self._read()
             if not self.connection.can_read(timeout=0):
                 return False, None
-        reply = self._read()
-        self.oldest_sent = time.monotonic()
-        return True, reply
+        return True, self._read()
 
     def fail(self, now: float, reason: object) -> None:
         """Drop the connection (and anything owed on it) and back the node off."""
@@ -245,6 +304,7 @@ class Link:
                 self.connection.disconnect()
         self.connection = None
         self.owed = 0
+        self.sent_at.clear()
 
 
 @dataclass
@@ -336,13 +396,29 @@ class NodeGroup:
             packed = [pack_command("EVAL", script.source, *call)]
         waiting: dict[int, int] = {}  # file descriptor -> node index
         poller = select.poll()
+        probing: list[int] = []
         for index, link in enumerate(links):
             if link.node.is_backed_off(started):
+                if link.node.probing:
+                    probing.append(index)
                 continue
             if link.send(packed, started, self.node_timeout):
                 descriptor = link.socket_fileno()
                 waiting[descriptor] = index
                 poller.register(descriptor, select.POLLIN)
+        if wait and probing and len(waiting) < self.quorum:
+            # Too few nodes in the round to reach a quorum: give the nodes being probed (in
+            # parallel) one node_timeout to answer, and take in those that did.
+            until = time.monotonic() + self.node_timeout
+            for index in probing:
+                links[index].node.wait_for_probe(until - time.monotonic())
+            now = time.monotonic()
+            for index in probing:
+                link = links[index]
+                if not link.node.is_backed_off(now) and link.send(packed, now, self.node_timeout):
+                    descriptor = link.socket_fileno()
+                    waiting[descriptor] = index
+                    poller.register(descriptor, select.POLLIN)
         if not wait:
             return RoundResult(replies, 0, 0, time.monotonic())
 

@@ -205,11 +205,13 @@ class Redlock:
         key = self.key_for(resource)
         ttl_ms = max(1, int(ttl * 1000))
         most_answered = 0
+        # One token for every attempt: a SET of an earlier attempt that lands late on a slow
+        # node is then this acquire's own, not a stranger blocking it for a whole ttl.
+        token = secrets.token_hex(TOKEN_BYTES)
+        value = f"{token}|{owner}" if owner else token
         for attempt in range(self.retry_count):
             if attempt:
                 time.sleep(random.uniform(0.5, 1.5) * self.retry_delay)
-            token = secrets.token_hex(TOKEN_BYTES)
-            value = f"{token}|{owner}" if owner else token
             started = time.monotonic()
             result = self._group.run(
                 scripts.ACQUIRE,

@@ -27,18 +27,19 @@ class Script:
 
 # KEYS[1] lock key, KEYS[2] its fencing counter; ARGV[1] value (token, then owner); ARGV[2] ttl
 # in ms; ARGV[3] the caller's clock in microseconds; ARGV[4] a fragment of an owner description
-# whose lock may be taken over (a task's own enqueue-time lock), or ''. Returns the fencing token
-# (an integer) when the lock was taken, else {current value, its pttl in ms} so the caller can
-# name the holder. The token is max(counter + 1, caller's clock): it grows with every
-# acquisition, and nodes that saw the same history return the same token, so no second round is
-# needed to agree on it.
+# whose lock may be taken over (a task's own enqueue-time lock), or ''. A key already holding
+# ARGV[1] counts as taken: a late SET of an earlier attempt of the same acquire (same token).
+# Returns the fencing token (an integer) when the lock was taken, else {current value, its pttl
+# in ms} so the caller can name the holder. The token is max(counter + 1, caller's clock): it
+# grows with every acquisition, and nodes that saw the same history return the same token, so
+# no second round is needed to agree on it.
 ACQUIRE = Script(
     "acquire",
     """
 local taken = redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2])
-if not taken and ARGV[4] ~= '' then
+if not taken then
     local value = redis.call('GET', KEYS[1])
-    if value and string.find(value, ARGV[4], 1, true) then
+    if value == ARGV[1] or (ARGV[4] ~= '' and value and string.find(value, ARGV[4], 1, true)) then
         taken = redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
     end
 end
