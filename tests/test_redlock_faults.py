@@ -7,6 +7,7 @@ bounds: a bound that a serial or poll-based implementation would break.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import pytest
@@ -212,3 +213,27 @@ def test_failed_acquisition_cleans_up_on_nodes_with_flushed_scripts(three_nodes)
     assert wait_until(lambda: value_on(three_nodes[2], key) is None, timeout=1.0), (
         "our token stayed on the free node after a failed acquisition"
     )
+
+
+def test_a_late_set_of_an_earlier_attempt_does_not_block_the_retry(three_nodes):
+    # Node 2 is hung for good, so nodes 0 and 1 must both agree. Node 1 stalls longer than
+    # node_timeout during the first attempt: its SET lands late, after the clean-up skipped the
+    # backed-off node. The retry must recognise that key as its own (same token), not as a
+    # stranger's lock that would block the resource for a whole ttl.
+    # Enough attempts to outlast node 1's back-off (0.25 s) whatever the jitter.
+    dlm = Redlock(three_nodes.urls, node_timeout=0.05, retry_delay=0.2, retry_count=8)
+    dlm.release(dlm.acquire("warm", 10.0))
+    three_nodes[2].pause()
+    try:
+        dlm.release(dlm.acquire("warm-again", 10.0))
+        three_nodes[1].pause()
+        resume = threading.Timer(0.08, three_nodes[1].resume)
+        resume.start()
+        lock = dlm.acquire("job", 10.0)
+        resume.join()
+        assert lock is not None
+        assert values_on(three_nodes.servers[:2], lock.key) == [lock.value, lock.value]
+        assert dlm.release(lock)
+    finally:
+        three_nodes[1].resume()
+        three_nodes[2].resume()
