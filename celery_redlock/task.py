@@ -148,9 +148,10 @@ class SingletonTask(Task):  # type: ignore[misc]
                 "from the task body (a bound task: bind=True) while the run holds its lock"
             )
         extended = held.runtime.keeper.extend_now(held.kept, ttl)
-        signals.lock_extended.send(
-            sender=self, task_id=held.task_id, key=held.lock.key, validity=held.lock.validity
-        )
+        if extended:
+            signals.lock_extended.send(
+                sender=self, task_id=held.task_id, key=held.lock.key, validity=held.lock.validity
+            )
         return extended
 
     # -- enqueue-time de-duplication (lock_on_enqueue=True) ----------------------------------
@@ -303,7 +304,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         arriving before the previous attempt's release."""
         request = self.request
         key = runtime.redlock.key_for(resource)
-        if holder.get("retries") == (request.retries or 0):
+        if holder.get("retries") == (request.retries or 0) and not holder.get("queued"):
             # The broker redelivered this message (acks_late past visibility_timeout) while the
             # first copy still runs and holds the lock: this copy must not run the task again.
             logger.warning(
