@@ -53,7 +53,6 @@ from redis.retry import Retry
 
 __all__ = [
     "REDIS_SERVER_ENVIRONMENT_VARIABLE",
-    "RedisCluster",
     "RedisNodes",
     "RedisServer",
     "find_redis_server",
@@ -624,6 +623,3 @@ class RedisNodes:
     def __repr__(self) -> str:
         return f"<RedisNodes {list(self._servers)!r}>"
 
-
-RedisCluster = RedisNodes
-"""Another name for :class:`RedisNodes` (independent masters, not Redis Cluster mode)."""
