@@ -622,4 +622,3 @@ class RedisNodes:
 
     def __repr__(self) -> str:
         return f"<RedisNodes {list(self._servers)!r}>"
-
