@@ -55,6 +55,7 @@ class LockKeeper:
         self._wakeup = threading.Condition()
         self._thread: threading.Thread | None = None
         self._pid = 0
+        self._stopped_in_queue = 0
 
     def keep(
         self,
@@ -73,6 +74,14 @@ class LockKeeper:
         """Stop extending; returns after any extension in flight has finished."""
         with kept.guard:
             kept.stopped = True
+        with self._wakeup:
+            # Short runs stop long before their first extension is due: drop their entries in
+            # bulk, or the thread wakes up once per finished run, a third of a ttl later.
+            self._stopped_in_queue += 1
+            if self._stopped_in_queue > max(16, len(self._queue) // 2):
+                self._queue = [entry for entry in self._queue if not entry[2].stopped]
+                heapq.heapify(self._queue)
+                self._stopped_in_queue = 0
 
     def extend_now(self, kept: KeptLock, ttl: float | None = None) -> bool:
         """Extend immediately: True if a majority extended it, False if not (no quorum answered

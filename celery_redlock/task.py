@@ -59,6 +59,7 @@ class LockPlan:
     on_unavailable: str
     wait: float
     hold: float
+    time_limit: float | None  # the task's (or app's) hard time limit, when the message has none
 
 
 class SingletonTask(Task):  # type: ignore[misc]
@@ -259,7 +260,7 @@ class SingletonTask(Task):  # type: ignore[misc]
 
     def _keep(self, runtime: AppRuntime, plan: LockPlan, lock: Lock) -> KeptLock:
         task_id = self.request.id
-        hard_limit = self._hard_time_limit()
+        hard_limit = self._hard_time_limit(plan)
         deadline = None if hard_limit is None else time.monotonic() + hard_limit
 
         def on_lost(kept: KeptLock) -> None:
@@ -431,6 +432,11 @@ class SingletonTask(Task):  # type: ignore[misc]
                 on_unavailable=self.on_unavailable or settings.on_unavailable,
                 wait=float(self.lock_wait if self.lock_wait is not None else ttl),
                 hold=float(self.lock_hold or 0.0),
+                time_limit=_seconds_or_none(
+                    self.time_limit
+                    if self.time_limit is not None
+                    else self.app.conf.task_time_limit
+                ),
             )
             self.__dict__["_celery_redlock_plan"] = plan
         return plan
@@ -442,12 +448,17 @@ class SingletonTask(Task):  # type: ignore[misc]
             type.__setattr__(type(self), "_celery_redlock_signature", signature)
         return signature
 
-    def _hard_time_limit(self) -> float | None:
+    def _hard_time_limit(self, plan: LockPlan) -> float | None:
+        """This run's hard time limit: the message's own, else the task's or the app's."""
         timelimit = getattr(self.request, "timelimit", None)
         hard = timelimit[1] if timelimit else None
         if hard is None:
-            hard = self.time_limit if self.time_limit is not None else self.app.conf.task_time_limit
+            return plan.time_limit
         return float(hard) if hard else None
+
+
+def _seconds_or_none(value: Any) -> float | None:
+    return float(value) if value else None
 
 
 def _run_signature(task_class: type) -> inspect.Signature:
