@@ -1,23 +1,42 @@
-"""Small helpers shared by the tests/test_redlock_*.py modules (not a harness: servers come
-from celery_redlock.testing through the fixtures of tests/conftest.py)."""
+"""Small helpers shared by every test module (tests/ is on ``sys.path``, so this is imported as
+``redlock_support``; it is not a harness: servers come from celery_redlock.testing through the
+fixtures of tests/conftest.py)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
+from typing import Protocol
 
 from celery_redlock.testing import RedisServer
 
 
-def wait_until(condition: Callable[[], object], timeout: float = 3.0) -> bool:
-    """Poll ``condition`` every few milliseconds; True as soon as it holds, False at timeout."""
+class Watched(Protocol):
+    """Something `wait_until` can check on while it polls (a `CeleryProcess`)."""
+
+    def check_alive(self) -> None: ...
+
+
+def wait_until(
+    condition: Callable[[], object],
+    timeout: float = 3.0,
+    interval: float = 0.005,
+    alive: Iterable[Watched] = (),
+) -> bool:
+    """Poll ``condition`` every ``interval`` seconds; True as soon as it holds, False at timeout.
+
+    Before every poll each of the ``alive`` processes is checked, so a test fails at once (with
+    the process's log) when one has exited instead of waiting out the timeout.
+    """
     deadline = time.monotonic() + timeout
     while True:
+        for process in alive:
+            process.check_alive()
         if condition():
             return True
         if time.monotonic() >= deadline:
             return False
-        time.sleep(0.005)
+        time.sleep(interval)
 
 
 def value_on(server: RedisServer, key: str) -> str | None:
@@ -36,6 +55,11 @@ def pttl_on(server: RedisServer, key: str) -> int:
     """PTTL of ``key`` on one server (-2 when absent, -1 without expiry)."""
     with server.client(socket_timeout=2) as client:
         return int(client.pttl(key))
+
+
+def pttls_on(servers: Iterable[RedisServer], key: str) -> list[int]:
+    """PTTL of ``key`` on each server, in order."""
+    return [pttl_on(server, key) for server in servers]
 
 
 class Stopwatch:

@@ -15,36 +15,21 @@ import itertools
 from collections import Counter
 from pathlib import Path
 
-from celery import Celery
 from celery_apps import beat_app
 from celery_apps.subprocesses import (
     BeatProcess,
     Recorder,
     WorkerProcess,
+    app_environment,
     celery_processes,
-    wait_until,
+    control_app,
 )
 from conftest import MakeRedisNodes
-
-from celery_redlock.testing import RedisNodes, RedisServer
+from redlock_support import wait_until
 
 APP_MODULE = "celery_apps.beat_app"
 BEAT_DISTANCE = 0.6
 """Seconds between the two beats' ticks of one slot: longer than a run, shorter than the hold."""
-
-
-def _environment(broker: RedisServer, locks: RedisNodes, scenario: str) -> dict[str, str]:
-    return {
-        "CRL_BEAT_BROKER_URL": broker.url,
-        "CRL_BEAT_REDLOCK_URLS": ",".join(locks.urls),
-        "CRL_BEAT_SCENARIO": scenario,
-    }
-
-
-def _control_app(broker: RedisServer) -> Celery:
-    app = Celery("beat_test_control", set_as_current=False)
-    app.conf.update(broker_url=broker.url, broker_connection_retry_on_startup=True)
-    return app
 
 
 def _logs(*processes: WorkerProcess | BeatProcess) -> str:
@@ -57,19 +42,19 @@ def test_periodic_task_outlasting_its_interval_never_overlaps(
     """Every second a tick, each run 2.5 s: runs never overlap, ticks in between are skipped."""
     harness, locks = redis_nodes(1), redis_nodes(3)
     broker = harness[0]
-    environment = _environment(broker, locks, "overlap")
+    environment = app_environment(broker, locks, CRL_BEAT_SCENARIO="overlap")
     recorder = Recorder(broker.url)
     with celery_processes() as processes:
         worker = WorkerProcess(APP_MODULE, "beatslow", environment, concurrency=2)
         processes.append(worker.start())
-        worker.wait_ready(_control_app(broker))
+        worker.wait_ready(control_app(broker))
         beat = BeatProcess(APP_MODULE, tmp_path / "schedule", environment)
         processes.append(beat.start())
 
         # Three full runs take at least 3 x 2.5 s; the ticks between them must be skipped.
-        assert wait_until(lambda: recorder.count("slow:runs") >= 3, timeout=30, alive=processes), (
-            _logs(worker, beat)
-        )
+        assert wait_until(
+            lambda: recorder.count("slow:runs") >= 3, timeout=30, interval=0.02, alive=processes
+        ), _logs(worker, beat)
         beat.check_alive()
         worker.check_alive()
 
@@ -104,14 +89,13 @@ def test_two_beats_lock_hold_runs_each_tick_once(
     broker = harness[0]
     recorder = Recorder(broker.url)
     with celery_processes() as processes:
-        worker = WorkerProcess(
-            APP_MODULE, "beatdouble", _environment(broker, locks, "double"), concurrency=3
-        )
+        environment = app_environment(broker, locks, CRL_BEAT_SCENARIO="double")
+        worker = WorkerProcess(APP_MODULE, "beatdouble", environment, concurrency=3)
         processes.append(worker.start())
-        worker.wait_ready(_control_app(broker))
+        worker.wait_ready(control_app(broker))
         for index, offset in enumerate((0.0, BEAT_DISTANCE)):
-            environment = _environment(broker, locks, "double") | {"CRL_BEAT_OFFSET": str(offset)}
-            beat = BeatProcess(APP_MODULE, tmp_path / f"schedule-{index}", environment)
+            offset_environment = environment | {"CRL_BEAT_OFFSET": str(offset)}
+            beat = BeatProcess(APP_MODULE, tmp_path / f"schedule-{index}", offset_environment)
             processes.append(beat.start())
 
         def doubled_slots() -> list[int]:
@@ -121,12 +105,14 @@ def test_two_beats_lock_hold_runs_each_tick_once(
             )
             return sorted(slot for slot, count in slots.items() if count >= 2)
 
-        assert wait_until(lambda: len(doubled_slots()) >= 5, timeout=40, alive=processes), _logs(
-            *processes
-        )
+        assert wait_until(
+            lambda: len(doubled_slots()) >= 5, timeout=40, interval=0.02, alive=processes
+        ), _logs(*processes)
         # The last slot's held run may still be under way: let it finish.
         wait_until(
-            lambda: recorder.count("fast_held:runs") == recorder.count("fast_held:started"), 5
+            lambda: recorder.count("fast_held:runs") == recorder.count("fast_held:started"),
+            timeout=5,
+            interval=0.02,
         )
         for process in processes:
             process.check_alive()

@@ -19,8 +19,8 @@ from celery_apps.support import (
     embedded_worker,
     key_gone,
     make_app,
-    pttls,
 )
+from redlock_support import pttls_on
 
 from celery_redlock import (
     ConfigurationError,
@@ -88,7 +88,7 @@ def test_options_and_every_celery_option_pass_through(
                 "id": self.request.id,
                 "ttl": self.lock.ttl,
                 "key": self.lock.key,
-                "pttls": pttls(lock_nodes, self.lock.key),
+                "pttls": pttls_on(lock_nodes, self.lock.key),
             }
             gate.wait(10)
         return observed
@@ -176,7 +176,7 @@ def test_subclass_class_attributes_and_class_based_tasks(
     @app.task(base=AccountTask, bind=True, name="accounts.rebuild", shared=False)
     def rebuild(self: SingletonTask, account_id: int, day: str) -> list[int]:
         with run_log.run(self.lock.key):
-            observed = pttls(lock_nodes, self.lock.key)
+            observed = pttls_on(lock_nodes, self.lock.key)
             if account_id == 1:
                 gate.wait(10)
         return observed
@@ -359,7 +359,7 @@ def test_django_style_celery_namespace(
     @singleton_task(app=app, shared=False, bind=True, name="django.job")
     def job(self: SingletonTask, item: int) -> list[int]:
         with run_log.run(self.lock.key):
-            observed = pttls(lock_nodes, self.lock.key)
+            observed = pttls_on(lock_nodes, self.lock.key)
             gate.wait(10)
         return observed
 

@@ -20,9 +20,8 @@ from celery_apps.support import (
     key_held,
     lock_keys,
     make_app,
-    pttls,
-    wait_until,
 )
+from redlock_support import pttls_on, wait_until
 
 from celery_redlock import (
     DuplicateSkipped,
@@ -204,7 +203,7 @@ def test_a_direct_call_of_a_bound_task_sees_its_lock(
         return {
             "key": self.lock.key,
             "extended": extended,
-            "pttls": pttls(lock_nodes, self.lock.key),
+            "pttls": pttls_on(lock_nodes, self.lock.key),
         }
 
     observed = chunked(3)
@@ -233,7 +232,7 @@ def test_a_run_three_times_its_ttl_keeps_its_lock(
         started = run_log.wait_task_started(first.id)
         key = started["key"]
         time.sleep(max(0.0, started["start"] + 2.0 - time.time()))  # two ttls into the run
-        assert all(0 < pttl <= 1_000 for pttl in pttls(lock_nodes, key))  # extended, not longer
+        assert all(0 < pttl <= 1_000 for pttl in pttls_on(lock_nodes, key))  # extended, not longer
         duplicate = long_run.apply_async((1,), {"seconds": 3.0})
         with pytest.raises(DuplicateSkipped):
             duplicate.get(timeout=10)
@@ -390,7 +389,7 @@ def test_extend_lock_without_a_quorum_returns_false(
     with embedded_worker(app):
         result = no_quorum.delay()
         key = run_log.wait_task_started(result.id)["key"]
-        assert wait_until(lambda: min(pttls(lock_nodes, key)) > 5_000, timeout=5)
+        assert wait_until(lambda: min(pttls_on(lock_nodes, key)) > 5_000, timeout=5)
         lock_nodes[0].pause()
         lock_nodes[1].pause()
         try:

@@ -16,12 +16,10 @@ from celery_apps.support import (
     LockSignals,
     RunLog,
     embedded_worker,
-    holders,
     key_gone,
     make_app,
-    pttls,
-    wait_until,
 )
+from redlock_support import pttls_on, values_on, wait_until
 
 from celery_redlock import (
     DuplicateSkipped,
@@ -51,6 +49,14 @@ def _holding_task(
     return job
 
 
+def _hold_then_duplicate(job: Any, run_log: RunLog) -> tuple[AsyncResult, str, AsyncResult]:
+    """Start a run of item 1 that holds its lock until the gate opens; once it runs, send a
+    duplicate of it. Returns the first run's result, its lock key and the duplicate's result."""
+    first = job.delay(1, hold=True)
+    key = run_log.wait_task_started(first.id)["key"]
+    return first, key, job.delay(1)
+
+
 # -- on_duplicate ------------------------------------------------------------------------------
 
 
@@ -65,9 +71,7 @@ def test_skip_reports_revoked_with_duplicate_skipped_and_leaves_the_holder_alone
     job = _holding_task(app, run_log, gate, "policy.skip", on_duplicate="skip")
 
     with embedded_worker(app, concurrency=4):
-        first = job.delay(1, hold=True)
-        key = run_log.wait_task_started(first.id)["key"]
-        second = job.delay(1)
+        first, key, second = _hold_then_duplicate(job, run_log)
         with pytest.raises(DuplicateSkipped) as skipped:
             second.get(timeout=10)
         assert second.state == "REVOKED"
@@ -78,7 +82,7 @@ def test_skip_reports_revoked_with_duplicate_skipped_and_leaves_the_holder_alone
         assert duplicate["holder"]["id"] == first.id
 
         # The skipped run released nothing: the first run still holds its lock everywhere.
-        assert all(value and first.id in value for value in holders(lock_nodes, key))
+        assert all(value and first.id in value for value in values_on(lock_nodes, key))
 
         gate.set()
         assert first.get(timeout=10)["id"] == first.id
@@ -98,9 +102,7 @@ def test_retry_runs_the_duplicate_after_the_holder_and_never_alongside(
     job = _holding_task(app, run_log, gate, "policy.retry", on_duplicate="retry", max_retries=6)
 
     with embedded_worker(app, concurrency=4):
-        first = job.delay(1, hold=True)
-        run_log.wait_task_started(first.id)
-        second = job.delay(1)
+        first, _, second = _hold_then_duplicate(job, run_log)
         lock_signals.wait("lock_duplicate", task_id=second.id, policy="retry")
         assert second.state in ("PENDING", "RETRY")
         gate.set()
@@ -123,9 +125,7 @@ def test_retry_honours_max_retries_and_fails_with_lock_not_acquired(
     job = _holding_task(app, run_log, gate, "policy.retry_max", on_duplicate="retry", max_retries=1)
 
     with embedded_worker(app, concurrency=4):
-        first = job.delay(1, hold=True)
-        key = run_log.wait_task_started(first.id)["key"]
-        second = job.delay(1)
+        first, key, second = _hold_then_duplicate(job, run_log)
         with pytest.raises(LockNotAcquired) as raised:
             second.get(timeout=20)
         assert second.state == "FAILURE"
@@ -144,9 +144,7 @@ def test_raise_fails_the_duplicate_at_once(
     job = _holding_task(app, run_log, gate, "policy.raise", on_duplicate="raise")
 
     with embedded_worker(app, concurrency=4):
-        first = job.delay(1, hold=True)
-        key = run_log.wait_task_started(first.id)["key"]
-        second = job.delay(1)
+        first, key, second = _hold_then_duplicate(job, run_log)
         with pytest.raises(LockNotAcquired) as raised:
             second.get(timeout=10)
         assert not isinstance(raised.value, DuplicateSkipped)
@@ -172,9 +170,7 @@ def test_wait_starts_the_duplicate_as_soon_as_the_holder_releases(
     job = _holding_task(app, run_log, gate, "policy.wait", on_duplicate="wait", lock_ttl=30)
 
     with embedded_worker(app, concurrency=4):
-        first = job.delay(1, hold=True)
-        run_log.wait_task_started(first.id)
-        second = job.delay(1)
+        first, _, second = _hold_then_duplicate(job, run_log)
         lock_signals.wait("lock_duplicate", task_id=second.id, policy="wait")
         time.sleep(0.3)  # the waiter is now blocked on the release notification
         assert len(run_log.started()) == 1
@@ -204,9 +200,7 @@ def test_wait_falls_back_to_retry_after_lock_wait(
     )
 
     with embedded_worker(app, concurrency=4):
-        first = job.delay(1, hold=True)
-        run_log.wait_task_started(first.id)
-        second = job.delay(1)
+        first, _, second = _hold_then_duplicate(job, run_log)
         lock_signals.wait("lock_duplicate", 2, timeout=15, task_id=second.id)  # waited, retried
         gate.set()
         first.get(timeout=10)
@@ -300,7 +294,7 @@ def test_lock_hold_skips_calls_within_the_window_and_runs_one_after_it(
         ended = run_log.runs()[0]["end"]
         (released,) = lock_signals.wait("lock_released", task_id=first.id)
         assert released["released"] is False  # kept for the hold window
-        assert all(0 < pttl <= 2_000 for pttl in pttls(lock_nodes, key))  # held 2 s, not 30
+        assert all(0 < pttl <= 2_000 for pttl in pttls_on(lock_nodes, key))  # held 2 s, not 30
 
         with pytest.raises(DuplicateSkipped):
             job.delay(1).get(timeout=10)

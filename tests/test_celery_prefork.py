@@ -8,7 +8,6 @@ task id) while the first copy still runs must not run twice.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -20,14 +19,14 @@ from billiard.exceptions import WorkerLostError
 from celery import Celery
 from celery.exceptions import TimeLimitExceeded
 from celery.result import AsyncResult
-from celery_apps.support import (
-    LOCK_EVENTS_KEY,
-    RunLog,
-    SubprocessWorker,
-    key_gone,
-    key_held,
-    wait_until,
+from celery_apps.subprocesses import (
+    WorkerProcess,
+    app_environment,
+    celery_processes,
+    control_app,
 )
+from celery_apps.support import LOCK_EVENTS, RunLog, key_gone, key_held
+from redlock_support import wait_until
 
 from celery_redlock.testing import RedisNodes, RedisServer
 
@@ -42,45 +41,33 @@ class Fleet:
     nodes: RedisNodes
     client_app: Celery
     log: RunLog
-    workers: list[SubprocessWorker]
+    workers: list[WorkerProcess]
 
     def logs(self) -> str:
         return "\n".join(worker.log_text() for worker in self.workers)
 
     def lock_events(self) -> list[dict[str, object]]:
-        return [json.loads(item) for item in self.log.client.lrange(LOCK_EVENTS_KEY, 0, -1)]
+        return self.log.read(LOCK_EVENTS)
 
 
 @pytest.fixture(scope="module")
 def fleet() -> Iterator[Fleet]:
-    with RedisServer() as broker, RedisNodes(3) as nodes:
-        environment = {
-            "CRL_BROKER_URL": broker.url,
-            "CRL_LOCK_URLS": ",".join(nodes.urls),
-            "CRL_RECORD_URL": broker.url,
-            "CRL_VISIBILITY_TIMEOUT": "2",
-        }
-        client_app = Celery("prefork_client", set_as_current=False)
-        client_app.conf.update(broker_url=broker.url, result_backend=broker.url)
+    with RedisServer() as broker, RedisNodes(3) as nodes, celery_processes() as processes:
+        environment = app_environment(broker, nodes, CRL_VISIBILITY_TIMEOUT="2")
+        client_app = control_app(broker, result_backend=broker.url)
         workers = [
-            SubprocessWorker("celery_apps.prefork_app", name, environment, concurrency=2)
+            WorkerProcess("celery_apps.prefork_app", name, environment, concurrency=2)
             for name in ("alpha", "beta")
         ]
         try:
             for worker in workers:
-                worker.start()
+                processes.append(worker.start())
             for worker in workers:
                 worker.wait_ready(client_app)
             log = RunLog(broker.url)
             yield Fleet(broker, nodes, client_app, log, workers)
             log.assert_no_overlap()
         finally:
-            for worker in workers:
-                worker.request_stop()
-            for worker in workers:
-                worker.stop()
-            for worker in workers:
-                worker.remove_log()
             client_app.close()
 
 

@@ -15,44 +15,22 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from celery.bin.base import CLIContext
 from cli_app import GATE, URLS_VARIABLE, create_app
 from click.testing import CliRunner, Result
+from redlock_support import value_on, values_on, wait_until
 
 from celery_redlock import Lock, Redlock
 from celery_redlock.cli import redlock
 from celery_redlock.keys import resource_for_call
 from celery_redlock.runtime import owner_text
-from celery_redlock.testing import RedisNodes, RedisServer
+from celery_redlock.testing import RedisNodes
 
 REPOSITORY = Path(__file__).resolve().parent.parent
 FAST = ("--timeout", "0.3")
-
-
-def wait_until(condition: Callable[[], object], timeout: float) -> bool:
-    """Poll ``condition`` every few milliseconds; True as soon as it holds."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.01)
-    return True
-
-
-def value_on(server: RedisServer, key: str) -> str | None:
-    """The value of ``key`` on one running server (None when absent)."""
-    with server.client(socket_timeout=2, decode_responses=True) as client:
-        value: str | None = client.get(key)
-        return value
-
-
-def values_on(nodes: RedisNodes, key: str) -> list[str | None]:
-    """The value of ``key`` on each server, in order."""
-    return [value_on(server, key) for server in nodes]
 
 
 def run_celery(urls: list[str], *arguments: str) -> subprocess.CompletedProcess[str]:

@@ -7,13 +7,22 @@ import itertools
 import threading
 import time
 
-from celery_redlock import Redlock
+from celery_redlock import Lock, Redlock
 from celery_redlock.redlock import FENCE_SUFFIX
 from celery_redlock.testing import RedisNodes
 
 
 def make_redlock(nodes: RedisNodes) -> Redlock:
     return Redlock(nodes.urls, node_timeout=0.5, retry_delay=0.01)
+
+
+def acquire_within(redlock: Redlock, resource: str, seconds: float = 10.0) -> Lock | None:
+    """Acquire ``resource`` (ttl 5 s), trying again until a quorum grants it or time is up."""
+    deadline = time.monotonic() + seconds
+    while True:
+        lock = redlock.acquire(resource, ttl=5)
+        if lock is not None or time.monotonic() >= deadline:
+            return lock
 
 
 def test_tokens_grow_with_each_acquisition(three_nodes: RedisNodes) -> None:
@@ -59,10 +68,7 @@ def test_a_node_restarted_empty_never_lowers_the_token(three_nodes: RedisNodes) 
     redlock.release(first)
     three_nodes[0].kill()
     three_nodes[0].restart()
-    second = None
-    deadline = time.monotonic() + 10
-    while second is None and time.monotonic() < deadline:
-        second = redlock.acquire("restart", ttl=5)
+    second = acquire_within(redlock, "restart")
     assert second is not None
     assert second.fencing_token > first.fencing_token
 
@@ -87,10 +93,7 @@ def test_lagging_nodes_are_raised_to_the_token(three_nodes: RedisNodes) -> None:
         redlock.release(lock)
     finally:
         three_nodes[2].resume()
-    later = None
-    deadline = time.monotonic() + 10
-    while later is None and time.monotonic() < deadline:
-        later = redlock.acquire("lagging", ttl=5)
+    later = acquire_within(redlock, "lagging")
     assert later is not None and later.fencing_token > lock.fencing_token
 
 

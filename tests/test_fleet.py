@@ -41,10 +41,16 @@ from typing import Any
 import pytest
 from celery import Celery
 from celery_apps import fleet_app
-from celery_apps.subprocesses import Recorder, WorkerProcess, celery_processes, wait_until
+from celery_apps.subprocesses import (
+    Recorder,
+    WorkerProcess,
+    app_environment,
+    celery_processes,
+    control_app,
+)
+from celery_apps.support import lock_keys
 from conftest import MakeRedisNodes
-
-from celery_redlock.testing import RedisNodes, RedisServer
+from redlock_support import values_on, wait_until
 
 pytestmark = pytest.mark.fleet
 
@@ -53,42 +59,8 @@ KEYS = [f"key-{index:02d}" for index in range(12)]
 TTL = fleet_app.FLEET_TTL
 
 
-def _environment(broker: RedisServer, locks: RedisNodes, **extra: str) -> dict[str, str]:
-    return {
-        "CRL_FLEET_BROKER_URL": broker.url,
-        "CRL_FLEET_REDLOCK_URLS": ",".join(locks.urls),
-        **extra,
-    }
-
-
-def _control_app(broker: RedisServer) -> Celery:
-    app = Celery("fleet_test_control", set_as_current=False)
-    app.conf.update(broker_url=broker.url, broker_connection_retry_on_startup=True)
-    return app
-
-
 def _logs(workers: Sequence[WorkerProcess]) -> str:
     return "\n".join(f"--- {worker.hostname} ---\n{worker.log_tail(40)}" for worker in workers)
-
-
-def _lock_values(servers: Sequence[RedisServer], key: str) -> list[str | None]:
-    values = []
-    for server in servers:
-        with server.client(decode_responses=True, socket_timeout=2) as client:
-            values.append(client.get(key))
-    return values
-
-
-def _lock_keys(servers: Sequence[RedisServer]) -> dict[int, list[str]]:
-    """Lock keys (not fencing counters) on each server, by port."""
-    found = {}
-    for server in servers:
-        with server.client(decode_responses=True, socket_timeout=2) as client:
-            keys = [
-                key for key in client.scan_iter(match="redlock:*") if not key.endswith(":fence")
-            ]
-        found[server.port] = keys
-    return found
 
 
 @dataclass
@@ -133,8 +105,8 @@ def test_fleet_under_lock_node_faults(redis_nodes: MakeRedisNodes) -> None:
     broker = redis_nodes(1)[0]
     locks = redis_nodes(5)
     recorder = Recorder(broker.url)
-    environment = _environment(broker, locks)
-    fleet = Fleet(_control_app(broker))
+    environment = app_environment(broker, locks)
+    fleet = Fleet(control_app(broker))
     with celery_processes() as processes:
         workers = [
             WorkerProcess(APP_MODULE, f"fleet{index}", environment, concurrency=2)
@@ -169,6 +141,7 @@ def test_fleet_under_lock_node_faults(redis_nodes: MakeRedisNodes) -> None:
         assert wait_until(
             lambda: any(e["submission"] == victim.id for e in recorder.read("started")),
             timeout=30,
+            interval=0.02,
             alive=workers,
         ), _logs(workers)
         victim_run = next(e for e in recorder.read("started") if e["submission"] == victim.id)
@@ -176,11 +149,11 @@ def test_fleet_under_lock_node_faults(redis_nodes: MakeRedisNodes) -> None:
         assert victim_run["pid"] in children, (victim_run, children)
         time.sleep(max(0.0, victim_run["start"] + 1.0 - time.time()))  # mid-run
         live = [locks[index] for index in (0, 1, 3, 4)]
-        assert sum(v is not None for v in _lock_values(live, victim_run["lock"])) >= 3
+        assert sum(v is not None for v in values_on(live, victim_run["lock"])) >= 3
         os.kill(victim_run["pid"], signal.SIGKILL)
         killed_at = fleet.mark("child killed")
         freed = wait_until(
-            lambda: all(v is None for v in _lock_values(live, victim_run["lock"])),
+            lambda: all(v is None for v in values_on(live, victim_run["lock"])),
             timeout=fleet_app.LONG_TTL,
             interval=0.01,
         )
@@ -217,7 +190,7 @@ def test_fleet_under_lock_node_faults(redis_nodes: MakeRedisNodes) -> None:
         fleet.mark("all done")
         last_end = max(run["end"] for run in recorder.read("runs"))
         time.sleep(max(0.0, last_end + TTL - time.time()))
-        leftovers = _lock_keys(list(locks))
+        leftovers = lock_keys(locks)
         fleet.mark("locks checked")
         for worker in workers:
             worker.check_alive()
@@ -288,7 +261,7 @@ def test_fleet_under_lock_node_faults(redis_nodes: MakeRedisNodes) -> None:
     follower_start = first_start[follower.id]
 
     # One ttl after the last run, no lock is left on any node.
-    assert all(keys == [] for keys in leftovers.values()), leftovers
+    assert all(not keys for keys in leftovers), leftovers
 
     waits = [first_start[s.id] - times["majority resumed"] for s in wave_d]
     duplicates = Counter(d["policy"] for d in recorder.read("duplicates"))
@@ -318,8 +291,8 @@ def test_redelivery_after_visibility_timeout_runs_once(redis_nodes: MakeRedisNod
     broker = redis_nodes(1)[0]
     locks = redis_nodes(3)
     recorder = Recorder(broker.url)
-    environment = _environment(broker, locks, CRL_FLEET_VISIBILITY_TIMEOUT=str(visibility_timeout))
-    app = _control_app(broker)
+    environment = app_environment(broker, locks, CRL_VISIBILITY_TIMEOUT=str(visibility_timeout))
+    app = control_app(broker)
     with celery_processes() as processes:
         worker = WorkerProcess(APP_MODULE, "redeliver", environment, concurrency=2)
         processes.append(worker.start())
@@ -330,7 +303,7 @@ def test_redelivery_after_visibility_timeout_runs_once(redis_nodes: MakeRedisNod
         def deliveries() -> list[dict[str, Any]]:
             return [d for d in recorder.read("deliveries") if d["id"] == result.id]
 
-        assert wait_until(lambda: recorder.count("runs") >= 1, 40, alive=[worker]), (
+        assert wait_until(lambda: recorder.count("runs") >= 1, 40, interval=0.02, alive=[worker]), (
             worker.log_tail()
         )
         finished = time.time()
@@ -370,13 +343,13 @@ def test_requeued_task_of_a_killed_child_runs_again(redis_nodes: MakeRedisNodes)
     broker = redis_nodes(1)[0]
     locks = redis_nodes(3)
     recorder = Recorder(broker.url)
-    app = _control_app(broker)
+    app = control_app(broker)
     with celery_processes() as processes:
-        worker = WorkerProcess(APP_MODULE, "requeue", _environment(broker, locks), concurrency=2)
+        worker = WorkerProcess(APP_MODULE, "requeue", app_environment(broker, locks), concurrency=2)
         processes.append(worker.start())
         worker.wait_ready(app)
         result = app.send_task("fleet.requeued_when_lost", args=("only", "requeued", 3.0))
-        assert wait_until(lambda: recorder.count("started") >= 1, 40, alive=[worker])
+        assert wait_until(lambda: recorder.count("started") >= 1, 40, interval=0.02, alive=[worker])
         run = recorder.read("started")[0]
         time.sleep(max(0.0, run["start"] + 1.0 - time.time()))
         os.kill(run["pid"], signal.SIGKILL)

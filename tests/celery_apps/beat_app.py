@@ -1,10 +1,9 @@
 """The app that ``celery -A celery_apps.beat_app beat|worker`` runs in tests/test_beat.py.
 
-Configured from environment variables (read at import):
+Configured from environment variables (read at import): those of
+`celery_apps.subprocesses.app_environment` (broker and result back-end, a harness node, never
+6379, where task bodies record their runs too; lock nodes), and
 
-- ``CRL_BEAT_BROKER_URL``: broker and result back-end (a harness node, never 6379); task bodies
-  record their runs there too;
-- ``CRL_BEAT_REDLOCK_URLS``: comma-separated lock nodes;
 - ``CRL_BEAT_SCENARIO``: which beat schedule to run:
 
   - ``"overlap"``: ``beat.slow`` every second, a run lasts `SLOW_RUN_SECONDS` (longer than the
@@ -26,10 +25,10 @@ import time
 from datetime import datetime
 from typing import Any
 
-from celery import Celery, signals
+from celery import signals
 from celery.schedules import schedstate, schedule
 
-from celery_apps.subprocesses import Recorder
+from celery_apps.subprocesses import Recorder, subprocess_app
 from celery_redlock import signals as lock_signals
 from celery_redlock import singleton_task
 
@@ -68,21 +67,13 @@ def slot_of(timestamp: float) -> int:
     return math.floor(timestamp / DOUBLE_PERIOD)
 
 
-BROKER_URL = os.environ.get("CRL_BEAT_BROKER_URL", "redis://127.0.0.1:1/0")
 SCENARIO = os.environ.get("CRL_BEAT_SCENARIO", "overlap")
 OFFSET = float(os.environ.get("CRL_BEAT_OFFSET", "0"))
 
-app = Celery("celery_apps.beat_app")
-app.conf.update(
-    broker_url=BROKER_URL,
-    result_backend=BROKER_URL,
-    broker_connection_retry_on_startup=True,
-    worker_prefetch_multiplier=1,
+app = subprocess_app(
+    "celery_apps.beat_app",
     timezone="UTC",
     beat_max_loop_interval=0.5,
-    redlock_urls=[
-        url for url in os.environ.get("CRL_BEAT_REDLOCK_URLS", BROKER_URL).split(",") if url
-    ],
     redlock_node_timeout=0.3,
     beat_schedule=(
         {"slow": {"task": "beat.slow", "schedule": SLOW_INTERVAL}}
@@ -100,7 +91,7 @@ app.conf.update(
     ),
 )
 
-recorder = Recorder(BROKER_URL)
+recorder = Recorder(app.conf.broker_url)
 
 
 def _recorded_run(name: str, seconds: float) -> None:

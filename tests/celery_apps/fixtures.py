@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
+from conftest import MakeRedisNodes
 
 from celery_apps.support import LockSignals, RunLog
 from celery_redlock.testing import RedisNodes, RedisServer
-
-MakeRedisNodes = Callable[..., RedisNodes]
 
 
 @pytest.fixture

@@ -1,13 +1,9 @@
 """The app that ``celery -A celery_apps.fleet_app worker`` runs in tests/test_fleet.py.
 
-Configured from environment variables (read at import):
-
-- ``CRL_FLEET_BROKER_URL``: broker and result back-end (a harness node, never 6379); the task
-  bodies and signal handlers record what happens there too (`Recorder` streams below);
-- ``CRL_FLEET_REDLOCK_URLS``: comma-separated lock nodes;
-- ``CRL_FLEET_VISIBILITY_TIMEOUT``: when set, the Redis transport's ``visibility_timeout`` in
-  seconds, with the unacked-message sweep (``restore_visible``) run every second so a message
-  past it is redelivered promptly.
+Configured from the environment variables of `celery_apps.subprocesses.app_environment` (read
+at import): broker and result back-end (a harness node, never 6379), where the task bodies and
+signal handlers record what happens too (`Recorder` streams below); lock nodes; an optional
+``visibility_timeout``.
 
 Streams: ``started`` (a body began), ``runs`` (a body ended: ``outcome`` is ``"done"``, or
 ``"lock-lost"`` when it stopped early because its lock was about to run out), ``deliveries``
@@ -21,9 +17,9 @@ import os
 import time
 from typing import Any
 
-from celery import Celery, Task, signals
+from celery import Task, signals
 
-from celery_apps.subprocesses import Recorder
+from celery_apps.subprocesses import Recorder, subprocess_app
 from celery_redlock import signals as lock_signals
 from celery_redlock import singleton_task
 
@@ -37,28 +33,8 @@ STEP_SECONDS = 0.05
 LOCK_MARGIN_SECONDS = 0.5
 """A body stops (and retries) when less than this much of its lock's validity is left."""
 
-BROKER_URL = os.environ.get("CRL_FLEET_BROKER_URL", "redis://127.0.0.1:1/0")
-
-app = Celery("celery_apps.fleet_app")
-app.conf.update(
-    broker_url=BROKER_URL,
-    result_backend=BROKER_URL,
-    broker_connection_retry_on_startup=True,
-    worker_prefetch_multiplier=1,
-    task_ignore_result=True,
-    redlock_urls=[
-        url for url in os.environ.get("CRL_FLEET_REDLOCK_URLS", BROKER_URL).split(",") if url
-    ],
-    redlock_node_timeout=0.3,
-)
-if os.environ.get("CRL_FLEET_VISIBILITY_TIMEOUT"):
-    app.conf.broker_transport_options = {
-        "visibility_timeout": float(os.environ["CRL_FLEET_VISIBILITY_TIMEOUT"]),
-        "unacked_restore_interval": 1,
-        "unacked_restore_throttle": 1,
-    }
-
-recorder = Recorder(BROKER_URL)
+app = subprocess_app("celery_apps.fleet_app", task_ignore_result=True, redlock_node_timeout=0.3)
+recorder = Recorder(app.conf.broker_url)
 
 
 def _guarded_body(task: Task, key: str, submission: str, seconds: float) -> None:
@@ -95,47 +71,36 @@ def _guarded_body(task: Task, key: str, submission: str, seconds: float) -> None
         raise task.retry(countdown=0.5)
 
 
-@singleton_task(
-    app=app,
-    name="fleet.work",
-    bind=True,
-    lock_args=("key",),
-    lock_ttl=FLEET_TTL,
-    on_duplicate="retry",
-    max_retries=None,
+def _fleet_task(name: str, lock_ttl: float, **options: Any) -> Task:
+    """A task running `_guarded_body` under a lock on its ``key``; a duplicate retries until
+    the lock is free (``on_duplicate="retry"``, no retry limit)."""
+
+    @singleton_task(
+        app=app,
+        name=name,
+        bind=True,
+        lock_args=("key",),
+        lock_ttl=lock_ttl,
+        on_duplicate="retry",
+        max_retries=None,
+        **options,
+    )
+    def guarded(self: Task, key: str, submission: str, seconds: float) -> None:
+        _guarded_body(self, key, submission, seconds)
+
+    return guarded
+
+
+# One piece of work on ``key``; ``submission`` tells the test which call this is.
+work = _fleet_task("fleet.work", FLEET_TTL)
+# The same with a long lock ttl (the run whose pool child the test kills).
+long_work = _fleet_task("fleet.long_work", LONG_TTL)
+# A long ``acks_late`` task: outlives the broker's visibility_timeout.
+slow_acks_late = _fleet_task("fleet.slow_acks_late", 10, acks_late=True)
+# ``acks_late`` + ``reject_on_worker_lost``: requeued when its pool child is killed.
+requeued_when_lost = _fleet_task(
+    "fleet.requeued_when_lost", 10, acks_late=True, reject_on_worker_lost=True
 )
-def work(self: Task, key: str, submission: str, seconds: float) -> None:
-    """One piece of work on ``key``; ``submission`` tells the test which call this is."""
-    _guarded_body(self, key, submission, seconds)
-
-
-@singleton_task(
-    app=app,
-    name="fleet.long_work",
-    bind=True,
-    lock_args=("key",),
-    lock_ttl=LONG_TTL,
-    on_duplicate="retry",
-    max_retries=None,
-)
-def long_work(self: Task, key: str, submission: str, seconds: float) -> None:
-    """The same with a long lock ttl (the run whose pool child the test kills)."""
-    _guarded_body(self, key, submission, seconds)
-
-
-@singleton_task(
-    app=app,
-    name="fleet.slow_acks_late",
-    bind=True,
-    lock_args=("key",),
-    lock_ttl=10,
-    acks_late=True,
-    on_duplicate="retry",
-    max_retries=None,
-)
-def slow_acks_late(self: Task, key: str, submission: str, seconds: float) -> None:
-    """A long ``acks_late`` task: outlives the broker's visibility_timeout."""
-    _guarded_body(self, key, submission, seconds)
 
 
 @signals.task_prerun.connect
@@ -165,19 +130,3 @@ def _record_unavailable(
     sender: Any = None, task_id: str | None = None, policy: str = "", **_: Any
 ) -> None:
     recorder.add("unavailable", task=sender.name, id=task_id, policy=policy, at=time.time())
-
-
-@singleton_task(
-    app=app,
-    name="fleet.requeued_when_lost",
-    bind=True,
-    lock_args=("key",),
-    lock_ttl=10,
-    acks_late=True,
-    reject_on_worker_lost=True,
-    on_duplicate="retry",
-    max_retries=None,
-)
-def requeued_when_lost(self: Task, key: str, submission: str, seconds: float) -> None:
-    """``acks_late`` + ``reject_on_worker_lost``: requeued when its pool child is killed."""
-    _guarded_body(self, key, submission, seconds)

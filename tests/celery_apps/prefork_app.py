@@ -1,44 +1,23 @@
 """The app real ``celery -A celery_apps.prefork_app worker -P prefork`` subprocesses load.
 
-Configured by environment variables (all harness nodes, never the shared Redis):
-
-- ``CRL_BROKER_URL``: broker and result back-end;
-- ``CRL_LOCK_URLS``: comma-separated lock node URLs (``redlock_urls``);
-- ``CRL_RECORD_URL``: where runs and lock signals are recorded (a `RunLog`);
-- ``CRL_VISIBILITY_TIMEOUT``: optional Redis ``visibility_timeout`` in seconds (restored
-  every second, so an ``acks_late`` message is redelivered soon after it).
+Configured by the environment `celery_apps.subprocesses.app_environment` gives them (broker,
+lock nodes, an optional ``visibility_timeout`` after which an ``acks_late`` message is
+redelivered); runs and ``lock_duplicate`` signals are recorded in a `RunLog` on the broker.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from typing import Any
 
-from celery import Celery
-
-from celery_apps.support import LOCK_EVENTS_KEY, RunLog
+from celery_apps.subprocesses import subprocess_app
+from celery_apps.support import LOCK_EVENTS, RunLog
 from celery_redlock import SingletonTask, signals
 
-BROKER_URL = os.environ["CRL_BROKER_URL"]
-LOG = RunLog(os.environ.get("CRL_RECORD_URL", BROKER_URL))
-
-app = Celery("prefork_app")
-app.conf.update(
-    broker_url=BROKER_URL,
-    result_backend=BROKER_URL,
-    broker_connection_retry_on_startup=True,
-    worker_prefetch_multiplier=1,
-    redlock_urls=os.environ["CRL_LOCK_URLS"],
-    redlock_node_timeout=0.5,  # a busy CI machine must not look like failing nodes
-)
-if os.environ.get("CRL_VISIBILITY_TIMEOUT"):
-    app.conf.broker_transport_options = {
-        "visibility_timeout": float(os.environ["CRL_VISIBILITY_TIMEOUT"]),
-        "unacked_restore_interval": 1,
-        "unacked_restore_throttle": 1,
-    }
+# A 0.5 s node timeout: a busy CI machine must not look like failing nodes.
+app = subprocess_app("prefork_app", redlock_node_timeout=0.5)
+LOG = RunLog(app.conf.broker_url)
 
 
 @app.task(base=SingletonTask, bind=True, lock_args=("key",), lock_ttl=30)
@@ -77,7 +56,7 @@ def requeued_sleeper(self: SingletonTask, key: str, seconds: float) -> dict[str,
 def _record(kind: str, **fields: Any) -> None:
     entry = {"signal": kind, "pid": os.getpid(), "at": time.time()}
     entry.update({name: value for name, value in fields.items() if name != "signal"})
-    LOG.client.rpush(LOCK_EVENTS_KEY, json.dumps(entry, default=str))
+    LOG.add(LOCK_EVENTS, **entry)
 
 
 @signals.lock_duplicate.connect(weak=False)

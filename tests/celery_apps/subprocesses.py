@@ -1,11 +1,15 @@
-"""Real ``celery worker`` and ``celery beat`` subprocesses for tests/test_beat.py and
-tests/test_fleet.py, and the run records their task bodies write.
+"""Real ``celery worker`` and ``celery beat`` subprocesses for tests/test_beat.py,
+tests/test_fleet.py and tests/test_celery_prefork.py, the apps they load, and the records their
+task bodies write.
 
 Every process starts in a session (and so a process group) of its own, so teardown can SIGKILL
 the whole group: the worker or beat and every prefork child it forked. Output goes to a log file
 shown in assertion messages. Tasks record what they do with `Recorder` into Redis lists on a
 harness node (never the shared Redis on 6379); timestamps are ``time.time()``, which every
 process on this machine shares.
+
+The apps (`celery_apps.beat_app`, `fleet_app`, `prefork_app`) are made by `subprocess_app`, which
+reads the environment `app_environment` gives the processes.
 """
 
 from __future__ import annotations
@@ -19,36 +23,66 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import redis
 from celery import Celery
+from redlock_support import wait_until
+
+from celery_redlock.testing import RedisNodes, RedisServer
 
 TESTS_DIRECTORY = Path(__file__).resolve().parent.parent
 
+BROKER_VARIABLE = "CRL_BROKER_URL"
+LOCK_URLS_VARIABLE = "CRL_LOCK_URLS"
+VISIBILITY_TIMEOUT_VARIABLE = "CRL_VISIBILITY_TIMEOUT"
+UNREACHABLE_BROKER = "redis://127.0.0.1:1/0"  # the test process imports the apps for constants
 
-def wait_until(
-    condition: Callable[[], object],
-    timeout: float,
-    interval: float = 0.02,
-    alive: Sequence[CeleryProcess] = (),
-) -> bool:
-    """Poll ``condition`` until it holds (True) or ``timeout`` seconds passed (False).
 
-    Fails at once, with its log, when one of the ``alive`` processes has exited.
+def app_environment(broker: RedisServer, locks: RedisNodes, **extra: str) -> dict[str, str]:
+    """The environment of a subprocess whose app (`subprocess_app`) uses ``broker`` as broker,
+    result back-end and record store, and ``locks`` as lock nodes; ``extra`` adds variables."""
+    return {BROKER_VARIABLE: broker.url, LOCK_URLS_VARIABLE: ",".join(locks.urls), **extra}
+
+
+def subprocess_app(main: str, **conf: Any) -> Celery:
+    """The app a ``celery -A`` subprocess loads, configured from its environment.
+
+    - ``CRL_BROKER_URL``: broker and result back-end (unset: an unreachable placeholder);
+    - ``CRL_LOCK_URLS``: comma-separated lock nodes, ``redlock_urls`` (unset: the broker);
+    - ``CRL_VISIBILITY_TIMEOUT``: when set, the Redis transport's ``visibility_timeout`` in
+      seconds, with the unacked-message sweep (``restore_visible``) run every second so that an
+      ``acks_late`` message past it is redelivered promptly.
+
+    ``conf`` adds or overrides settings.
     """
-    deadline = time.monotonic() + timeout
-    while True:
-        for process in alive:
-            process.check_alive()
-        if condition():
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(interval)
+    broker_url = os.environ.get(BROKER_VARIABLE, UNREACHABLE_BROKER)
+    lock_urls = os.environ.get(LOCK_URLS_VARIABLE, broker_url)
+    app = Celery(main)
+    app.conf.update(
+        broker_url=broker_url,
+        result_backend=broker_url,
+        broker_connection_retry_on_startup=True,
+        worker_prefetch_multiplier=1,
+        redlock_urls=[url for url in lock_urls.split(",") if url],
+    )
+    if visibility_timeout := os.environ.get(VISIBILITY_TIMEOUT_VARIABLE):
+        app.conf.broker_transport_options = {
+            "visibility_timeout": float(visibility_timeout),
+            "unacked_restore_interval": 1,
+            "unacked_restore_throttle": 1,
+        }
+    app.conf.update(conf)
+    return app
+
+
+def control_app(broker: RedisServer, **conf: Any) -> Celery:
+    """The test's own client app: sends tasks to, and pings, the workers on ``broker``."""
+    app = Celery("test_control", set_as_current=False)
+    app.conf.update(broker_url=broker.url, broker_connection_retry_on_startup=True, **conf)
+    return app
 
 
 class Recorder:
@@ -71,9 +105,9 @@ class Recorder:
                 self._pid = os.getpid()
             return self._client
 
-    def add(self, stream: str, **entry: Any) -> None:
-        """Append one record to ``stream``."""
-        self.client.rpush(f"record:{stream}", json.dumps(entry))
+    def add(self, stream: str, /, **entry: Any) -> None:
+        """Append one record to ``stream`` (values JSON cannot hold are stored as text)."""
+        self.client.rpush(f"record:{stream}", json.dumps(entry, default=str))
 
     def read(self, stream: str) -> list[dict[str, Any]]:
         """Every record of ``stream``, oldest first."""
@@ -200,13 +234,14 @@ class WorkerProcess(CeleryProcess):
 
     def wait_ready(self, app: Celery, timeout: float = 60.0) -> None:
         """Wait until the worker answers ``app.control.ping`` (fail with its log otherwise)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            self.check_alive()
+
+        def answers() -> bool:
             replies = app.control.ping(destination=[self.hostname], timeout=0.5)
-            if any(self.hostname in reply for reply in replies):
-                return
-        raise AssertionError(f"worker {self.hostname} never answered ping:\n{self.log_tail()}")
+            return any(self.hostname in reply for reply in replies)
+
+        # The ping itself waits up to 0.5 s for replies: no sleep between two pings.
+        if not wait_until(answers, timeout, interval=0, alive=[self]):
+            raise AssertionError(f"worker {self.hostname} never answered ping:\n{self.log_tail()}")
 
     def child_pids(self) -> set[int]:
         """Process ids of the worker's pool children (from /proc)."""

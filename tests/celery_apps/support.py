@@ -6,8 +6,9 @@
 - `RunLog`: every task run appends (key, start, end, pid, thread, task id) to a Redis list on a
   harness node, so a test can assert that no two runs of one key ever overlapped, across
   threads and processes alike.
-- `SubprocessWorker`: a real ``celery -A ... worker -P prefork`` process with a ping readiness
-  loop and guaranteed termination (its own process group, killed at teardown).
+- what the lock nodes hold (`lock_keys`, `key_held`, ...).
+
+Real worker subprocesses are `celery_apps.subprocesses.WorkerProcess`.
 """
 
 from __future__ import annotations
@@ -17,38 +18,21 @@ import hashlib
 import itertools
 import json
 import os
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
-import redis
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
+from redlock_support import values_on, wait_until
 
+from celery_apps.subprocesses import Recorder
 from celery_redlock import signals as lock_signals_module
 from celery_redlock.testing import RedisNodes, RedisServer
 
-TESTS_DIRECTORY = Path(__file__).resolve().parent.parent
-LOCK_EVENTS_KEY = "lock-events"  # where celery_apps.prefork_app records lock signals
-
-
-def wait_until(condition: Callable[[], object], timeout: float = 10.0) -> bool:
-    """Poll ``condition`` every few milliseconds; True as soon as it holds, False at timeout."""
-    deadline = time.monotonic() + timeout
-    while True:
-        if condition():
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.005)
+LOCK_EVENTS = "lock-events"  # the `RunLog` stream where celery_apps.prefork_app records signals
 
 
 def documented_key(
@@ -182,32 +166,16 @@ class LockSignals:
             return self.of(name, **match)
 
 
-class RunLog:
-    """Task runs recorded in Redis lists on a harness node, readable from any process.
+class RunLog(Recorder):
+    """Task runs recorded (as `Recorder` streams) on a harness node, readable from any process.
 
     A task body wraps its work in ``with log.run(key):``; ``started`` is appended when the body
     begins, ``runs`` when it ends (with both timestamps). Timestamps are ``time.time()``, which
     every process on this machine shares.
     """
 
-    def __init__(self, url: str, name: str = "runlog") -> None:
-        self.url = url
-        self.started_key = f"{name}:started"
-        self.runs_key = f"{name}:runs"
-        self._client: redis.Redis | None = None
-        self._pid = 0
-        self._guard = threading.Lock()
-
-    @property
-    def client(self) -> redis.Redis:
-        """A client of this process (re-created after a fork)."""
-        with self._guard:
-            if self._client is None or self._pid != os.getpid():
-                self._client = redis.Redis.from_url(
-                    self.url, decode_responses=True, socket_timeout=5
-                )
-                self._pid = os.getpid()
-            return self._client
+    STARTED = "runlog:started"
+    RUNS = "runlog:runs"
 
     @contextlib.contextmanager
     def run(self, key: str, **extra: Any) -> Iterator[dict[str, Any]]:
@@ -220,22 +188,20 @@ class RunLog:
             "start": time.time(),
             **extra,
         }
-        self.client.rpush(self.started_key, json.dumps(entry))
+        self.add(self.STARTED, **entry)
         try:
             yield entry
         finally:
             entry["end"] = time.time()
-            self.client.rpush(self.runs_key, json.dumps(entry))
+            self.add(self.RUNS, **entry)
 
     def started(self, key: str | None = None) -> list[dict[str, Any]]:
         """Runs that began, in order (finished or not)."""
-        entries = [json.loads(item) for item in self.client.lrange(self.started_key, 0, -1)]
-        return [entry for entry in entries if key is None or entry["key"] == key]
+        return [entry for entry in self.read(self.STARTED) if key is None or entry["key"] == key]
 
     def runs(self, key: str | None = None) -> list[dict[str, Any]]:
         """Runs that ended, in order of their end."""
-        entries = [json.loads(item) for item in self.client.lrange(self.runs_key, 0, -1)]
-        return [entry for entry in entries if key is None or entry["key"] == key]
+        return [entry for entry in self.read(self.RUNS) if key is None or entry["key"] == key]
 
     def wait_started(
         self, count: int = 1, key: str | None = None, timeout: float = 10.0
@@ -265,7 +231,7 @@ class RunLog:
 
     def mark_ended(self, run: dict[str, Any], end: float) -> None:
         """Record the end of a run whose process was killed (it never records one itself)."""
-        self.client.rpush(self.runs_key, json.dumps({**run, "end": end, "killed": True}))
+        self.add(self.RUNS, **{**run, "end": end, "killed": True})
 
     def intervals(self) -> dict[str, list[tuple[float, float]]]:
         """Per key, the (start, end) of every run; a run still going ends at infinity."""
@@ -327,152 +293,11 @@ def stored_text(nodes: RedisNodes) -> list[str]:
     return texts
 
 
-def holders(nodes: RedisNodes, key: str) -> list[str | None]:
-    """The value of ``key`` on each lock node (None where absent)."""
-    values = []
-    for server in nodes:
-        with server.client(decode_responses=True, socket_timeout=2) as client:
-            values.append(client.get(key))
-    return values
-
-
-def pttls(nodes: RedisNodes, key: str) -> list[int]:
-    """PTTL of ``key`` on each lock node in milliseconds (-2 where absent)."""
-    found = []
-    for server in nodes:
-        with server.client(socket_timeout=2) as client:
-            found.append(int(client.pttl(key)))
-    return found
-
-
 def key_held(nodes: RedisNodes, key: str) -> bool:
     """Whether a majority of the lock nodes hold ``key``."""
-    return sum(value is not None for value in holders(nodes, key)) * 2 > len(nodes)
+    return sum(value is not None for value in values_on(nodes, key)) * 2 > len(nodes)
 
 
 def key_gone(nodes: RedisNodes, key: str) -> bool:
     """Whether no lock node holds ``key``."""
-    return all(value is None for value in holders(nodes, key))
-
-
-class SubprocessWorker:
-    """A real ``celery worker -P prefork`` subprocess of ``app_module``.
-
-    Started in its own process group so that teardown can end the worker and every pool child
-    it forked; stdout and stderr go to a log file shown when something fails.
-    """
-
-    def __init__(
-        self,
-        app_module: str,
-        name: str,
-        environment: dict[str, str],
-        concurrency: int = 2,
-        extra_args: Sequence[str] = (),
-    ) -> None:
-        self.app_module = app_module
-        self.hostname = f"{name}@{socket.gethostname()}"
-        self.environment = environment
-        self.concurrency = concurrency
-        self.extra_args = tuple(extra_args)
-        self.process: subprocess.Popen[bytes] | None = None
-        self._log = Path(tempfile.mkstemp(prefix=f"celery-{name}-", suffix=".log")[1])
-
-    def start(self) -> SubprocessWorker:
-        """Launch the worker (returns at once; see `wait_ready`)."""
-        environment = dict(os.environ)
-        environment.update(self.environment)
-        environment["PYTHONPATH"] = os.pathsep.join(
-            [str(TESTS_DIRECTORY), environment.get("PYTHONPATH", "")]
-        ).rstrip(os.pathsep)
-        command = [
-            sys.executable,
-            "-m",
-            "celery",
-            "-A",
-            self.app_module,
-            "worker",
-            "-P",
-            "prefork",
-            "-c",
-            str(self.concurrency),
-            "-n",
-            self.hostname,
-            "--loglevel",
-            "INFO",
-            "--without-mingle",
-            "--without-gossip",
-            "--without-heartbeat",
-            *self.extra_args,
-        ]
-        with self._log.open("wb") as log:
-            self.process = subprocess.Popen(
-                command,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=environment,
-                cwd=str(TESTS_DIRECTORY),
-                start_new_session=True,
-            )
-        return self
-
-    @property
-    def pid(self) -> int:
-        """The worker's main process id."""
-        assert self.process is not None
-        return self.process.pid
-
-    def wait_ready(self, app: Celery, timeout: float = 30.0) -> None:
-        """Wait until the worker answers ``app.control.ping``."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.process is not None
-            if self.process.poll() is not None:
-                raise AssertionError(
-                    f"worker {self.hostname} exited with {self.process.returncode}:\n"
-                    f"{self.log_tail()}"
-                )
-            replies = app.control.ping(destination=[self.hostname], timeout=0.3)
-            if any(self.hostname in reply for reply in replies):
-                return
-        raise AssertionError(f"worker {self.hostname} never answered ping:\n{self.log_tail()}")
-
-    def log_tail(self, lines: int = 60) -> str:
-        """The end of the worker's output."""
-        try:
-            text = self._log.read_text(errors="replace")
-        except OSError:
-            return "(no log)"
-        return "\n".join(text.splitlines()[-lines:])
-
-    def log_text(self) -> str:
-        """The worker's whole output so far."""
-        return self._log.read_text(errors="replace")
-
-    def request_stop(self) -> None:
-        """Ask for a cold shutdown (SIGQUIT) without waiting; `stop` finishes the job."""
-        if self.process is not None and self.process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.process.pid, signal.SIGQUIT)
-
-    def stop(self, timeout: float = 10.0) -> None:
-        """End the worker and its pool children: cold shutdown, then SIGKILL to its group."""
-        process = self.process
-        if process is None:
-            return
-        if process.poll() is None:
-            self.request_stop()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                process.wait(timeout)
-        # The group is the worker's own (start_new_session): the worker and its pool children.
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(process.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            process.wait(5)
-        self.process = None
-
-    def remove_log(self) -> None:
-        """Delete the log file."""
-        with contextlib.suppress(OSError):
-            self._log.unlink()
+    return all(value is None for value in values_on(nodes, key))
