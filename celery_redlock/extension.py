@@ -23,9 +23,6 @@ from .redlock import Lock, Redlock
 
 logger = logging.getLogger(__name__)
 
-# Below this many seconds of lock life there is no point in extending up to a time limit.
-SHORTEST_EXTENSION_SECONDS = 0.05
-
 
 @dataclass(eq=False)
 class KeptLock:
@@ -134,7 +131,8 @@ class LockKeeper:
                 if kept.is_lost:
                     self._report_lost(kept)
                     continue
-                self._schedule(kept, kept.next_at)
+                if kept.next_at != float("inf"):  # inf: the run's hard time limit is reached
+                    self._schedule(kept, kept.next_at)
 
     def _extend(self, kept: KeptLock, ttl: float | None) -> bool:
         """One extension attempt; sets ``next_at`` or ``lost_reason`` and returns whether it
@@ -144,7 +142,7 @@ class LockKeeper:
         now = time.monotonic()
         if kept.hard_deadline is not None:
             ttl = min(ttl, kept.hard_deadline - now)
-            if ttl < SHORTEST_EXTENSION_SECONDS:
+            if ttl - self.redlock.drift(ttl) - self.redlock.node_timeout <= 0:
                 # The run's hard time limit is reached: the lock expires with it.
                 kept.next_at = float("inf")
                 return False

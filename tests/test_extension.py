@@ -1,0 +1,60 @@
+"""The lock keeper on a real node: extends while a run lasts, never past its hard time limit,
+and reports a lock that disappears."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from celery_redlock import Redlock
+from celery_redlock.extension import KeptLock, LockKeeper
+from celery_redlock.testing import RedisNodes
+
+
+def test_extension_stops_at_the_hard_time_limit_and_the_keeper_goes_on(
+    one_node: RedisNodes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    crashes: list[BaseException | None] = []
+    monkeypatch.setattr(threading, "excepthook", lambda info: crashes.append(info.exc_value))
+    redlock = Redlock(one_node.urls, node_timeout=0.1)
+    keeper = LockKeeper(redlock)
+    lost: list[str] = []
+    limited = redlock.acquire("limited", ttl=0.6)
+    assert limited is not None
+    started = time.monotonic()
+    keeper.keep(limited, lambda kept: lost.append(kept.lock.key), hard_deadline=started + 1.2)
+    with one_node[0].client() as client:
+        while client.exists(limited.key) and time.monotonic() - started < 5:
+            time.sleep(0.01)
+        gone_after = time.monotonic() - started
+        # Extended past its own 0.6 s ttl, and expired at the 1.2 s limit rather than later.
+        assert 1.0 < gone_after < 1.5
+        # The keeper, left with nothing to extend, still serves the next lock.
+        later = redlock.acquire("later", ttl=0.6)
+        assert later is not None
+        keeper.keep(later, lambda kept: lost.append(kept.lock.key))
+        time.sleep(1.0)
+        assert client.pttl(later.key) > 0
+    assert lost == []
+    assert crashes == []
+
+
+def test_a_lock_deleted_behind_the_keepers_back_is_reported_lost(one_node: RedisNodes) -> None:
+    redlock = Redlock(one_node.urls, node_timeout=0.1)
+    keeper = LockKeeper(redlock)
+    reported = threading.Event()
+    reasons: list[str] = []
+
+    def on_lost(kept: KeptLock) -> None:
+        reasons.append(kept.lost_reason)
+        reported.set()
+
+    lock = redlock.acquire("stolen", ttl=0.9)
+    assert lock is not None
+    kept = keeper.keep(lock, on_lost)
+    with one_node[0].client() as client:
+        client.delete(lock.key)
+    assert reported.wait(2.0)
+    assert kept.is_lost and "no longer hold its token" in reasons[0]
