@@ -397,15 +397,20 @@ class NodeGroup:
         waiting: dict[int, int] = {}  # file descriptor -> node index
         poller = select.poll()
         probing: list[int] = []
+
+        def send(index: int, now: float) -> None:
+            link = links[index]
+            if link.send(packed, now, self.node_timeout):
+                descriptor = link.socket_fileno()
+                waiting[descriptor] = index
+                poller.register(descriptor, select.POLLIN)
+
         for index, link in enumerate(links):
             if link.node.is_backed_off(started):
                 if link.node.probing:
                     probing.append(index)
                 continue
-            if link.send(packed, started, self.node_timeout):
-                descriptor = link.socket_fileno()
-                waiting[descriptor] = index
-                poller.register(descriptor, select.POLLIN)
+            send(index, started)
         if wait and probing and len(waiting) < self.quorum:
             # Too few nodes in the round to reach a quorum: give the nodes being probed (in
             # parallel) one node_timeout to answer, and take in those that did.
@@ -414,11 +419,8 @@ class NodeGroup:
                 links[index].node.wait_for_probe(until - time.monotonic())
             now = time.monotonic()
             for index in probing:
-                link = links[index]
-                if not link.node.is_backed_off(now) and link.send(packed, now, self.node_timeout):
-                    descriptor = link.socket_fileno()
-                    waiting[descriptor] = index
-                    poller.register(descriptor, select.POLLIN)
+                if not links[index].node.is_backed_off(now):
+                    send(index, now)
         if not wait:
             return RoundResult(replies, 0, 0, time.monotonic())
 
