@@ -39,6 +39,23 @@ class DuplicateSkipped(LockNotAcquired):
         return f"skipped: another run holds lock {self.key!r}{held_by}"
 
 
+class DuplicateCoalesced(DuplicateSkipped):
+    """A duplicate merged into the pending run ``into`` (``on_duplicate="coalesce"``): that run
+    starts after this one arrived, so it covers this one's work.
+
+    It is the result a caller's ``AsyncResult.get()`` raises for a merged run.
+    """
+
+    def __init__(self, key: str, holder: str | None = None, into: str | None = None) -> None:
+        RedlockError.__init__(self, key, holder, into)
+        self.key = key
+        self.holder = holder
+        self.into = into
+
+    def __str__(self) -> str:
+        return f"coalesced into pending run {self.into} of lock {self.key!r}"
+
+
 class QuorumUnavailable(RedlockError):
     """Fewer than a majority of lock nodes answered, so nothing can be decided about ``key``."""
 

@@ -1,10 +1,12 @@
 """Connections to the independent Redis masters, and one multiplexed round over all of them.
 
 A *round* sends one script call to every node at once and then collects the replies as they
-arrive (one `select` over the sockets), so its latency is that of the quorum-th fastest node, not
-the sum of all round trips. Every node is bounded by ``node_timeout``; a node that fails or does
-not answer in time is backed off (skipped without any network traffic) and probed again later,
-so a dead or hung node costs at most one timeout per back-off period rather than one per call.
+arrive (one ``poll`` over the sockets), so its latency is that of the quorum-th fastest node, not
+the sum of all round trips. Every node is bounded by ``node_timeout``. A node that fails, does
+not answer in time, or answers with an error (out of memory, read-only replica, missing ACL
+permission, still loading...) is backed off: skipped without any network traffic and probed again
+from a background thread. Every socket of the package lives here, the release notifications that
+waiting callers listen to included.
 """
 
 from __future__ import annotations
@@ -19,27 +21,27 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from typing import Any, Protocol, cast
 
 import redis
 from redis.backoff import NoBackoff
 from redis.connection import AbstractConnection, Connection, ConnectionPool
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import RedisError as RedisClientError
 from redis.retry import Retry
 
 from .errors import ConfigurationError
-from .scripts import Script
+from .scripts import LOADED_ON_CONNECT, Script
+from .settings import redact_url
 
 logger = logging.getLogger(__name__)
 
 FIRST_BACKOFF_SECONDS = 0.25
-MAX_BACKOFF_SECONDS = 5.0
+MAX_BACKOFF_SECONDS = 0.5  # a node that comes back is in use again within about a second
 
 
 class _NoReply:
-    """Marks a node that gave no usable reply in a round (down, backed off, timed out)."""
+    """Marks a node that gave no usable reply in a round (down, backed off, late, an error)."""
 
     def __repr__(self) -> str:
         return "NO_REPLY"
@@ -60,40 +62,60 @@ def _no_client_setinfo() -> dict[str, Any]:
 _NO_CLIENT_SETINFO = _no_client_setinfo()
 
 
-def redact_url(url: str) -> str:
-    """The URL with any password replaced by ``***``, safe to log."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.netloc.rpartition("@")[2]  # as written: parts.port raises on a bad port
-    return urlunsplit((parts.scheme, f"{user}:***@{host}", parts.path, parts.query, ""))
-
-
 def pack_command(*arguments: str | int | bytes) -> bytes:
     """Encode one command in the Redis protocol (RESP), the same bytes for every node."""
     encoded = [
-        argument if isinstance(argument, bytes) else str(argument).encode()
+        argument.encode()
+        if isinstance(argument, str)
+        else argument
+        if isinstance(argument, bytes)
+        else str(argument).encode()
         for argument in arguments
     ]
-    parts = [b"*%d\r\n" % len(encoded)]
-    for argument in encoded:
-        parts.append(b"$%d\r\n%s\r\n" % (len(argument), argument))
-    return b"".join(parts)
+    return b"*%d\r\n" % len(encoded) + b"".join(
+        [b"$%d\r\n%b\r\n" % (len(argument), argument) for argument in encoded]
+    )
+
+
+# Sent before the first command of every new connection (their replies are skipped like any
+# owed reply): a round that decides before a slow node answers would never read its NOSCRIPT.
+SCRIPT_LOADS = tuple(pack_command("SCRIPT", "LOAD", script.source) for script in LOADED_ON_CONNECT)
+
+
+class PollableConnection(Protocol):
+    """A redis-py connection whose socket can be waited on with ``poll``."""
+
+    def fileno(self) -> int: ...
+    def connect(self) -> None: ...
+    def disconnect(self, *args: Any) -> None: ...
+    def send_command(self, *args: Any, **kwargs: Any) -> None: ...
+    def send_packed_command(self, command: Any, check_health: bool = True) -> None: ...
+    def read_response(self, *args: Any, **kwargs: Any) -> Any: ...
+    def can_read(self, timeout: float = 0) -> bool: ...
+
+
+def _fileno(connection: AbstractConnection) -> int:
+    # The one place the package reads redis-py's socket: poll() needs its descriptor.
+    sock = connection._sock
+    return sock.fileno() if sock is not None else -1
+
+
+def _pollable_class(connection_class: type[AbstractConnection]) -> type[AbstractConnection]:
+    """``connection_class`` with a public ``fileno()`` (TCP, TLS and unix sockets alike)."""
+    return type(f"Pollable{connection_class.__name__}", (connection_class,), {"fileno": _fileno})
 
 
 class Node:
     """One independent Redis master: where it is and whether it is currently backed off.
 
-    Health is shared by every connection to the node in this process.
+    Health is shared by every connection to the node in this process. A failure backs the node
+    off for 0.25 s, doubling up to 0.5 s while it keeps failing; once that passes, a background
+    thread probes it (connect, PING) and rounds take it back when it answers. The back-off is
+    forgotten only when a round gets a good reply, so a node that answers PING but fails every
+    command (out of memory, read-only) stays backed off.
     """
 
     def __init__(self, url: str, node_timeout: float) -> None:
-        if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
-            raise ConfigurationError(
-                f"lock node URL {url!r} is not a Redis URL; use redis://host:port/db, "
-                "rediss://host:port/db (TLS) or unix:///path/to/redis.sock"
-            )
         try:
             pool = ConnectionPool.from_url(
                 url,
@@ -105,60 +127,59 @@ class Node:
             )
         except (ValueError, TypeError) as error:
             raise ConfigurationError(
-                f"cannot parse lock node URL {redact_url(url)!r}: {error}; "
+                f"cannot use lock node URL {redact_url(url)!r}: {error}; "
                 "the form is redis://[user:password@]host:port/db"
             ) from error
         self.name = redact_url(url)
-        self._connection_class: type[AbstractConnection] = pool.connection_class
+        self._connection_class = _pollable_class(pool.connection_class)
         self._connection_kwargs: dict[str, Any] = dict(pool.connection_kwargs)
         # No CLIENT SETINFO in the handshake: connecting to a hung node then costs nothing until
         # the round's own command, which every node is waited for in parallel.
         self._connection_kwargs.update(_NO_CLIENT_SETINFO)
+        self._suspect = False  # True from a failure until a probe sees the node answer
         self._down_until = 0.0
         self._backoff = 0.0
-        self._probe_guard = threading.Lock()
-        self._probing_pid = 0  # the process whose probe thread is checking this node, or 0
+        # No lock guards the probe: a lock held by another thread at a fork would stay held in
+        # the child for ever. Two threads starting a probe at once merely probe twice.
+        self._probing_pid = 0
         self._probe_finished = threading.Event()
 
-    def new_connection(self) -> AbstractConnection:
+    def new_connection(self) -> PollableConnection:
         """A fresh, not yet connected connection to this node."""
-        return self._connection_class(**self._connection_kwargs)
+        return cast(PollableConnection, self._connection_class(**self._connection_kwargs))
 
-    def client(self) -> redis.Redis:
-        """A plain redis-py client for this node (administration, tests), with the same timeouts."""
+    def client(self, timeout: float | None = None) -> redis.Redis:
+        """A plain redis-py client for this node (administration, tests), by default with the
+        node's own timeouts."""
+        options = dict(self._connection_kwargs)
+        if timeout is not None:
+            options.update(socket_timeout=timeout, socket_connect_timeout=timeout)
         return redis.Redis(
-            connection_pool=ConnectionPool(
-                connection_class=self._connection_class, **self._connection_kwargs
-            )
+            connection_pool=ConnectionPool(connection_class=self._connection_class, **options)
         )
 
     def is_backed_off(self, now: float) -> bool:
-        """True while the node is skipped after a failure.
-
-        Once the back-off period is over, a background thread probes the node (connect, PING)
-        and it stays skipped until it answers: a round never waits on connecting to a node known
-        to have failed (a hung node accepts TCP connections but never answers the handshake, so
-        connecting inside a round costs a full node_timeout per such node, one after the other).
-        """
-        if now < self._down_until:
-            return True
-        if not self._backoff:
+        """True while the node is skipped after a failure (starting a probe once it is due)."""
+        if not self._suspect:
             return False
-        self._start_probe()
+        if now >= self._down_until:
+            self._start_probe()
         return True
 
     def _start_probe(self) -> None:
         pid = os.getpid()
-        with self._probe_guard:
-            if self._probing_pid == pid:
-                return  # a probe is already on its way in this process
-            self._probing_pid = pid
-            self._probe_finished.clear()
+        if self._probing_pid == pid:
+            return  # a probe is already on its way in this process
+        self._probing_pid = pid
+        self._probe_finished = threading.Event()
         threading.Thread(
-            target=self._probe, name=f"celery-redlock probe {self.name}", daemon=True
+            target=self._probe,
+            args=(self._probe_finished,),
+            name=f"celery-redlock probe {self.name}",
+            daemon=True,
         ).start()
 
-    def _probe(self) -> None:
+    def _probe(self, finished: threading.Event) -> None:
         connection = self.new_connection()
         try:
             connection.connect()
@@ -167,13 +188,12 @@ class Node:
         except (RedisClientError, OSError) as error:
             self.mark_down(time.monotonic(), error)
         else:
-            self.mark_up()
+            self._suspect = False
         finally:
             with contextlib.suppress(RedisClientError, OSError):
                 connection.disconnect()
-            with self._probe_guard:
-                self._probing_pid = 0
-                self._probe_finished.set()
+            self._probing_pid = 0
+            finished.set()
 
     @property
     def probing(self) -> bool:
@@ -190,6 +210,7 @@ class Node:
         was_up = self._backoff == 0.0
         self._backoff = min(MAX_BACKOFF_SECONDS, max(FIRST_BACKOFF_SECONDS, self._backoff * 2))
         self._down_until = now + self._backoff
+        self._suspect = True
         if was_up:
             logger.warning(
                 "lock node %s is unavailable (%s); skipping it for %.2fs, then probing again",
@@ -198,12 +219,12 @@ class Node:
                 self._backoff,
             )
 
-    def mark_up(self) -> None:
-        """Record a successful reply: the node takes part in every round again."""
+    def mark_answered(self) -> None:
+        """Record a good reply: the node takes part in every round again."""
         if self._backoff:
             logger.info("lock node %s answers again", self.name)
             self._backoff = 0.0
-            self._down_until = 0.0
+            self._suspect = False
 
 
 class Link:
@@ -216,48 +237,40 @@ class Link:
 
     def __init__(self, node: Node) -> None:
         self.node = node
-        self.connection: AbstractConnection | None = None
+        self.connection: PollableConnection | None = None
         self.owed = 0
         self.sent_at: collections.deque[float] = collections.deque()
 
-    def socket_fileno(self) -> int:
-        assert self.connection is not None
-        sock = self.connection._sock  # redis-py keeps the socket here; select() needs it
-        return sock.fileno() if sock is not None else -1
+    def fileno(self) -> int:
+        """The connection's socket descriptor (-1 when it is closed)."""
+        return self.connection.fileno() if self.connection is not None else -1
 
-    def send(self, packed: list[bytes], now: float, node_timeout: float) -> bool:
+    def send(self, packed: bytes, node_timeout: float) -> bool:
         """Send one packed command; False (and the node backed off) if that failed.
 
-        Ages are measured on the clock, not from ``now`` (the round's start): connecting to
-        hung nodes earlier in the same round can take longer than ``node_timeout``, and a
-        command sent after that must not count as already overdue.
+        Ages are measured on the clock: connecting to hung nodes earlier in the same round can
+        take longer than ``node_timeout``, and a command sent after that is not overdue yet.
         """
         if self.owed and self._overdue(node_timeout):
-            self.fail(now, "no reply within node_timeout")
+            self.fail("no reply within node_timeout")
             return False
+        commands = [packed]
         try:
             if self.connection is None:
                 self.connection = self.node.new_connection()
-            self.connection.send_packed_command(packed, check_health=False)
+                commands[:0] = SCRIPT_LOADS
+            self.connection.send_packed_command(commands, check_health=False)
         except (RedisClientError, OSError) as error:
-            self.fail(now, error)
+            self.fail(error)
             return False
-        self.owed += 1
-        self.sent_at.append(time.monotonic())
+        self.owed += len(commands)
+        self.sent_at.extend([time.monotonic()] * len(commands))
         return True
-
-    def send_now(self, packed: bytes) -> None:
-        """Send one more command on an open connection inside the current round."""
-        assert self.connection is not None
-        self.connection.send_packed_command([packed], check_health=False)
-        self.owed += 1
-        self.sent_at.append(time.monotonic())
 
     def _overdue(self, node_timeout: float) -> bool:
         """True if a reply owed by an earlier round is more than ``node_timeout`` late (after
         reading those that arrived), or the connection broke. Each owed command has its own send
-        time: one sent by the previous round a moment ago may well still be on its way, and is
-        no failure even if older replies were late (they have arrived since).
+        time: one sent by the previous round a moment ago may well still be on its way.
         """
         assert self.connection is not None
         if time.monotonic() - self.sent_at[0] <= node_timeout:
@@ -270,15 +283,16 @@ class Link:
         return bool(self.owed) and time.monotonic() - self.sent_at[0] > node_timeout
 
     def _read(self) -> Any:
-        """One reply; an error reply (such as NOSCRIPT) is returned, not raised."""
+        """One reply; an error reply (such as NOSCRIPT) is returned, not raised. Any other
+        reply, even one owed by an earlier round, shows that the node answers."""
         assert self.connection is not None
         self.owed -= 1
         self.sent_at.popleft()
         try:
             reply = self.connection.read_response()
-        except redis.ResponseError as error:
-            reply = error
-        self.node.mark_up()  # any reply, even one owed by an earlier round: the node answers
+        except ResponseError as error:
+            return error
+        self.node.mark_answered()
         return reply
 
     def read_current(self) -> tuple[bool, Any]:
@@ -292,10 +306,10 @@ class Link:
                 return False, None
         return True, self._read()
 
-    def fail(self, now: float, reason: object) -> None:
+    def fail(self, reason: object) -> None:
         """Drop the connection (and anything owed on it) and back the node off."""
         self.close()
-        self.node.mark_down(now, reason)
+        self.node.mark_down(time.monotonic(), reason)
 
     def close(self) -> None:
         """Close the connection; the next send opens a new one."""
@@ -309,12 +323,156 @@ class Link:
 
 @dataclass
 class RoundResult:
-    """What one round learned: each node's reply (or ``NO_REPLY``) and how many succeeded."""
+    """What one round learned: each node's reply (``NO_REPLY`` where there was none usable),
+    how many nodes answered (error replies are not answers) and how many succeeded."""
 
     replies: list[Any]
     successes: int
     answered: int
     finished_at: float
+
+
+class Round:
+    """One script call on every node at once, and its replies as they arrive."""
+
+    def __init__(
+        self,
+        group: NodeGroup,
+        links: list[Link],
+        script: Script,
+        call: tuple[Any, ...],
+        succeeded: Callable[[Any], bool],
+        every: bool,
+    ) -> None:
+        self.group = group
+        self.links = links
+        self.script = script
+        self.call = call
+        self.succeeded = succeeded
+        self.every = every
+        self.replies: list[Any] = [NO_REPLY] * len(links)
+        self.waiting: dict[int, int] = {}  # socket descriptor -> node index
+        self.poller = select.poll()
+        self.successes = 0
+        self.answered = 0
+        self.failures = 0
+
+    def send_to_available_nodes(self, wait: bool) -> None:
+        """Send to every node that is not backed off. When those are too few for a quorum, give
+        the nodes being probed (in parallel) one node_timeout and take in those that answered."""
+        now = time.monotonic()
+        if wait and not self.script.inline:
+            packed = pack_command("EVALSHA", self.script.sha, *self.call)
+        else:
+            # Nobody reads a NOSCRIPT reply of these (clean-ups, or a release whose quorum is
+            # reached before a restarted node answers): send the source, which cannot miss.
+            packed = pack_command("EVAL", self.script.source, *self.call)
+        self._drop_closed_connections()
+        probing = []
+        for index, link in enumerate(self.links):
+            if link.node.is_backed_off(now):
+                if link.node.probing:
+                    probing.append(index)
+            else:
+                self._send(index, packed)
+        if wait and probing and len(self.waiting) < self.group.quorum:
+            until = time.monotonic() + self.group.node_timeout
+            for index in probing:
+                self.links[index].node.wait_for_probe(until - time.monotonic())
+            now = time.monotonic()
+            for index in probing:
+                if not self.links[index].node.is_backed_off(now):
+                    self._send(index, packed)
+        self.failures = len(self.links) - len(self.waiting)
+
+    def _drop_closed_connections(self) -> None:
+        """Close idle connections the server has closed (it restarted, or dropped idle clients):
+        an idle connection with something to read holds only the end of the stream. One poll
+        over all of them: a command sent on such a connection would be lost — a release, say,
+        on a node that restarted and had the lock set again by an extension since."""
+        idle = {link.fileno(): link for link in self.links if link.connection and not link.owed}
+        idle.pop(-1, None)
+        if not idle:
+            return
+        poller = select.poll()
+        for descriptor in idle:
+            poller.register(descriptor, select.POLLIN)
+        for descriptor, _ in poller.poll(0):
+            idle[descriptor].close()
+
+    def _send(self, index: int, packed: bytes) -> None:
+        link = self.links[index]
+        if link.send(packed, self.group.node_timeout):
+            descriptor = link.fileno()
+            self.waiting[descriptor] = index
+            self.poller.register(descriptor, select.POLLIN)
+
+    def decided(self) -> bool:
+        """True once the outcome is known: a quorum succeeded, or it can no longer succeed and
+        the replies in flight can no longer tell "refused by a majority" from "no quorum"."""
+        if self.every:
+            return False
+        quorum = self.group.quorum
+        if self.successes >= quorum:
+            return True
+        if self.failures < len(self.links) - quorum + 1:
+            return False
+        return self.answered >= quorum or self.answered + len(self.waiting) < quorum
+
+    def collect_replies(self) -> None:
+        """Read replies as they arrive until the outcome is known or node_timeout has passed
+        (counted from the last send: connecting happens in the send loop, one node at a time)."""
+        deadline = time.monotonic() + self.group.node_timeout
+        while self.waiting and not self.decided():
+            # poll(0) once the deadline passed: a reply already there is not a timeout (the
+            # thread may have been descheduled, e.g. waiting for the GIL).
+            events = self.poller.poll(max(0.0, deadline - time.monotonic()) * 1000)
+            if not events:
+                break
+            for descriptor, _ in events:
+                self._read_from(descriptor)
+        if not self.decided():
+            # Timed out: whoever is still silent is hung or far away.
+            for index in self.waiting.values():
+                self.links[index].fail(f"no reply within {self.group.node_timeout}s")
+
+    def _read_from(self, descriptor: int) -> None:
+        index = self.waiting.pop(descriptor)
+        self.poller.unregister(descriptor)
+        link = self.links[index]
+        try:
+            arrived, reply = link.read_current()
+            if arrived and isinstance(reply, NoScriptError):
+                # The node lost its script cache (restart, SCRIPT FLUSH): send the source.
+                source = pack_command("EVAL", self.script.source, *self.call)
+                if not link.send(source, self.group.node_timeout):
+                    self.failures += 1
+                    return
+                arrived = False
+        except (RedisClientError, OSError) as error:
+            link.fail(error)
+            self.failures += 1
+            return
+        if not arrived:
+            self.waiting[descriptor] = index
+            self.poller.register(descriptor, select.POLLIN)
+            return
+        if isinstance(reply, ResponseError):
+            # Out of memory, read-only, no permission, loading...: the node neither granted nor
+            # refused anything. It counts as not answering, and is backed off like one.
+            link.node.mark_down(time.monotonic(), f"error reply: {reply}")
+            self.failures += 1
+            return
+        self.replies[index] = reply
+        self.answered += 1
+        if self.succeeded(reply):
+            self.successes += 1
+        else:
+            self.failures += 1
+
+    def result(self) -> RoundResult:
+        """What the round learned."""
+        return RoundResult(self.replies, self.successes, self.answered, time.monotonic())
 
 
 class LinkSet:
@@ -356,6 +514,13 @@ class NodeGroup:
                 for link in links.links:
                     link.close()
 
+    def close_thread(self) -> None:
+        """Close the calling thread's connections in this process."""
+        links: LinkSet | None = getattr(self._per_thread, "links", None)
+        if links is not None and links.pid == os.getpid():
+            for link in links.links:
+                link.close()
+
     def run(
         self,
         script: Script,
@@ -372,110 +537,75 @@ class NodeGroup:
         timed out (operators' commands that report per node). With ``wait=False`` the commands
         are only sent (their replies are skipped by a later round), for clean-ups nobody waits on.
         """
-        return self._run(self._links().links, script, keys, arguments, succeeded, wait, every)
+        links = self._links().links
+        round_ = Round(self, links, script, (len(keys), *keys, *arguments), succeeded, every)
+        try:
+            round_.send_to_available_nodes(wait)
+            if wait:
+                round_.collect_replies()
+        except BaseException:
+            # Interrupted (a soft time limit, a signal): what each connection still owes is
+            # unknown, so start afresh. Callers release what the round may have taken.
+            for link in links:
+                link.close()
+            raise
+        return round_.result()
 
-    def _run(
-        self,
-        links: list[Link],
-        script: Script,
-        keys: Sequence[str],
-        arguments: Sequence[str | int],
-        succeeded: Callable[[Any], bool],
-        wait: bool,
-        every: bool,
-    ) -> RoundResult:
-        count = len(links)
-        started = time.monotonic()
-        replies: list[Any] = [NO_REPLY] * count
-        call = (len(keys), *keys, *arguments)
-        if wait and not script.inline:
-            packed = [pack_command("EVALSHA", script.sha, *call)]
-        else:
-            # Nobody reads a NOSCRIPT reply of these (clean-ups, or a release whose quorum is
-            # reached before a restarted node answers): send the source, which cannot miss.
-            packed = [pack_command("EVAL", script.source, *call)]
-        waiting: dict[int, int] = {}  # file descriptor -> node index
-        poller = select.poll()
-        probing: list[int] = []
+    def listen_for_releases(self, channel: str) -> ReleaseListener:
+        """Subscriptions to ``channel`` on every node that is not backed off."""
+        return ReleaseListener(self.nodes, channel)
 
-        def send(index: int, now: float) -> None:
-            link = links[index]
-            if link.send(packed, now, self.node_timeout):
-                descriptor = link.socket_fileno()
-                waiting[descriptor] = index
-                poller.register(descriptor, select.POLLIN)
 
-        for index, link in enumerate(links):
-            if link.node.is_backed_off(started):
-                if link.node.probing:
-                    probing.append(index)
+class ReleaseListener:
+    """Subscriptions to a lock's release channel on every reachable node, for blocking waits."""
+
+    def __init__(self, nodes: Sequence[Node], channel: str) -> None:
+        self._connections: list[PollableConnection] = []
+        now = time.monotonic()
+        for node in nodes:
+            if node.is_backed_off(now):
                 continue
-            send(index, started)
-        if wait and probing and len(waiting) < self.quorum:
-            # Too few nodes in the round to reach a quorum: give the nodes being probed (in
-            # parallel) one node_timeout to answer, and take in those that did.
-            until = time.monotonic() + self.node_timeout
-            for index in probing:
-                links[index].node.wait_for_probe(until - time.monotonic())
-            now = time.monotonic()
-            for index in probing:
-                if not links[index].node.is_backed_off(now):
-                    send(index, now)
-        if not wait:
-            return RoundResult(replies, 0, 0, time.monotonic())
+            connection = node.new_connection()
+            try:
+                connection.send_command("SUBSCRIBE", channel, check_health=False)
+                connection.read_response()
+            except (RedisClientError, OSError):
+                connection.disconnect()
+                continue
+            self._connections.append(connection)
 
-        # Opening connections (connect and handshake) happens in the loop above, one node after
-        # the other: the nodes' own time to answer starts when the last command is sent.
-        deadline = time.monotonic() + self.node_timeout
-        successes = answered = 0
-        failures = count - len(waiting)
-        needed_failures = count - self.quorum + 1
+    def __enter__(self) -> ReleaseListener:
+        return self
 
-        def decided() -> bool:
-            if every:
-                return False
-            if successes >= self.quorum:
-                return True
-            if failures < needed_failures:
-                return False
-            # Failed either way; keep reading only while the replies in flight can still tell
-            # "held by someone" (a quorum answered) from "no quorum" (QuorumUnavailable).
-            return answered >= self.quorum or answered + len(waiting) < self.quorum
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
-        while waiting and not decided():
-            # poll(0) once the deadline passed: a reply already there is not a timeout (the
-            # thread may have been descheduled, e.g. waiting for the GIL).
-            events = poller.poll(max(0.0, deadline - time.monotonic()) * 1000)
-            if not events:
-                break
-            for descriptor, _ in events:
-                index = waiting.pop(descriptor)
-                poller.unregister(descriptor)
-                link = links[index]
-                try:
-                    arrived, reply = link.read_current()
-                    if arrived and isinstance(reply, NoScriptError):
-                        # The node lost its script cache (restart, SCRIPT FLUSH): send the source.
-                        link.send_now(pack_command("EVAL", script.source, *call))
-                        arrived = False
-                except (RedisClientError, OSError) as error:
-                    link.fail(time.monotonic(), error)
-                    failures += 1
-                    continue
-                if not arrived:
-                    waiting[descriptor] = index
-                    poller.register(descriptor, select.POLLIN)
-                    continue
-                link.node.mark_up()
-                replies[index] = reply
-                answered += 1
-                if succeeded(reply):
-                    successes += 1
-                else:
-                    failures += 1
-        finished = time.monotonic()
-        if not decided():
-            # Timed out: whoever is still silent is hung or far away.
-            for index in waiting.values():
-                links[index].fail(finished, f"no reply within {self.node_timeout}s")
-        return RoundResult(replies, successes, answered, finished)
+    def close(self) -> None:
+        """Drop the subscriptions."""
+        for connection in self._connections:
+            connection.disconnect()
+        self._connections.clear()
+
+    def wait(self, seconds: float) -> bool:
+        """Sleep up to ``seconds``; True as soon as any node announced a release."""
+        if not self._connections:
+            time.sleep(max(seconds, 0))
+            return False
+        by_descriptor: dict[int, PollableConnection] = {}
+        poller = select.poll()
+        for connection in self._connections:
+            descriptor = connection.fileno()
+            if descriptor >= 0:
+                by_descriptor[descriptor] = connection
+                poller.register(descriptor, select.POLLIN)
+        woken = False
+        for descriptor, _ in poller.poll(max(seconds, 0) * 1000):
+            connection = by_descriptor[descriptor]
+            try:
+                while connection.can_read(timeout=0):
+                    message = connection.read_response()
+                    woken = woken or (isinstance(message, list) and message[:1] == [b"message"])
+            except (RedisClientError, OSError):
+                connection.disconnect()
+                self._connections.remove(connection)
+        return woken

@@ -1,45 +1,60 @@
 """The Redlock algorithm over N independent Redis masters.
 
-Acquisition sets one key with one random token on every node at once (``SET NX PX`` inside a
+An *attempt* sets one key with one random token on every node at once (``SET NX PX`` inside a
 script) and succeeds only when a majority agreed before the ttl ran out; the lock is then valid
-for ``ttl - elapsed - drift``. A failed attempt releases on every node, because a SET may have
-landed on a node whose reply was lost, and is retried after a jittered delay. Extension and
-release compare the token inside Lua, so only the holder can extend or release.
+for ``ttl - elapsed - drift``. A failed round is released on every node, because a SET may have
+landed where the reply was lost, and is retried after a jittered delay. Extension and release
+compare the token inside Lua, so only the holder can extend or release.
+
+Every attempt ends in one typed outcome: `Acquired`, `Held` (a majority names one holder),
+`Contended` (no majority either way: a split vote or stale leftovers), `Unavailable` (fewer than
+a majority answered) or `Completed` (the task id's completion marker covers this attempt).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import secrets
-import select
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from redis.connection import AbstractConnection
-from redis.exceptions import RedisError as RedisClientError
-
 from . import scripts
 from .errors import ConfigurationError, LockNotAcquired, QuorumUnavailable
 from .nodes import Node, NodeGroup, RoundResult
+from .owner import lock_value, owner_text_of
+from .settings import RedlockSettings, check_seconds, split_urls
 
 logger = logging.getLogger(__name__)
 
 TOKEN_BYTES = 20
 FENCE_SUFFIX = ":fence"
 DRIFT_CONSTANT_SECONDS = 0.002
+COMPLETED_REPLY = b"COMPLETED"
 
 
-@dataclass
+def new_token() -> str:
+    """A fresh lock token: 20 random bytes from `secrets`, as hex (never contains ``|``)."""
+    return secrets.token_hex(TOKEN_BYTES)
+
+
+def jittered(seconds: float) -> float:
+    """``seconds`` times a random factor from 0.5 to 1.5, so that racing callers drift apart."""
+    return random.uniform(0.5, 1.5) * seconds
+
+
+@dataclass(slots=True)
 class Lock:
     """A lock held on a majority of nodes.
 
     ``validity`` is how many seconds the lock was guaranteed to stay valid when acquisition (or
     the last extension) finished; `remaining` says how much of it is left now. ``owner`` is
-    non-secret metadata stored beside the token (who holds the lock), shown to other contenders.
+    non-secret text stored beside the token (who holds the lock), shown to other contenders.
+    The token, which allows releasing the lock, is left out of ``repr``.
 
     ``fencing_token`` grows with every acquisition of the same resource (as long as a majority
     of nodes keeps its data and the clients' clocks agree within the ttl): pass it to the storage
@@ -48,7 +63,7 @@ class Lock:
 
     resource: str
     key: str
-    token: str
+    token: str = field(repr=False)
     validity: float
     ttl: float
     owner: str = ""
@@ -57,24 +72,99 @@ class Lock:
 
     @property
     def value(self) -> str:
-        """What is stored on the nodes: the token, then the owner description."""
-        return f"{self.token}|{self.owner}" if self.owner else self.token
+        """What is stored on the nodes: the token, then the owner text."""
+        return lock_value(self.token, self.owner)
 
     def remaining(self) -> float:
         """Seconds of guaranteed validity left now (negative once it ran out)."""
         return self.valid_until - time.monotonic()
 
 
-@dataclass(frozen=True)
-class Contention:
-    """What a failed attempt learned about the current holder, when a majority agreed on one."""
+@dataclass(frozen=True, slots=True)
+class CompletionMarker:
+    """The record of which attempts of one task id have run: the attempt asking (or finishing),
+    as ``"nesting:retries"``, and how long the marker lives once written."""
 
-    holder: str | None
-    holder_ttl: float
+    key: str
+    attempt: str
+    ttl: float
+
+
+@dataclass(frozen=True)
+class Acquired:
+    """The attempt took the lock."""
+
+    lock: Lock
+
+
+@dataclass(frozen=True)
+class Held:
+    """A majority of the nodes hold the lock for one other owner (``holder``: its owner text),
+    whose lock is gone from a majority in ``expires_in`` seconds unless it is extended."""
+
+    holder: str
+    expires_in: float
+
+
+@dataclass(frozen=True)
+class Contended:
+    """A quorum answered but no majority names a holder: racing callers or leftovers on a
+    minority. Worth another attempt after ``retry_in`` seconds (or a release notification)."""
+
+    retry_in: float
+
+
+@dataclass(frozen=True)
+class Unavailable:
+    """Fewer than a majority of the nodes answered: nothing can be decided."""
+
+    error: QuorumUnavailable
+
+
+@dataclass(frozen=True)
+class Completed:
+    """The task id's completion marker covers the attempt: its body has run already."""
+
+
+Outcome = Acquired | Held | Contended | Unavailable | Completed
+
+
+def even_node_warning(count: int) -> str | None:
+    """Why ``count`` lock nodes are a poor choice when the count is even, else None."""
+    if count % 2:
+        return None
+    return (
+        f"{count} lock nodes configured: an even number tolerates no more failed nodes than "
+        f"{count - 1} would ({count // 2 + 1} of {count} must agree), while adding a node that "
+        "can fail; use an odd number such as 3 or 5"
+    )
+
+
+def majority_holder(copies: Sequence[tuple[str, int]], quorum: int) -> Held | None:
+    """The holder when at least ``quorum`` of the per-node ``(stored value, pttl in ms)`` copies
+    carry one same value (a pttl below 0 means no expiry), else None.
+
+    The holder's lock is gone once all but ``quorum - 1`` of its copies expired, so ``expires_in``
+    is the ``len - quorum + 1``-th soonest expiry.
+    """
+    by_value: dict[str, list[float]] = {}
+    for value, milliseconds in copies:
+        if value:
+            left = float("inf") if milliseconds < 0 else milliseconds / 1000
+            by_value.setdefault(value, []).append(left)
+    for value, lefts in by_value.items():
+        if len(lefts) >= quorum:
+            expires_in = sorted(lefts)[len(lefts) - quorum]
+            return Held(owner_text_of(value), max(expires_in, 0.0))
+    return None
 
 
 def _is_one(reply: Any) -> bool:
     return reply == 1 and not isinstance(reply, bool)
+
+
+def _is_pair(reply: Any) -> bool:
+    return isinstance(reply, list) and len(reply) == 2
 
 
 def _is_integer(reply: Any) -> bool:
@@ -85,59 +175,52 @@ class Redlock:
     """A distributed lock manager over independent Redis masters (the Redlock algorithm).
 
     One instance per process is meant to be shared by all its threads; connections open lazily
-    and are reopened after a fork. ``urls`` accepts ``redis://``, ``rediss://`` (TLS) and
-    ``unix://`` URLs with optional ``user:password@`` and database number.
+    and are reopened after a fork. ``urls`` (a list, or one comma-separated string) accepts
+    ``redis://``, ``rediss://`` (TLS) and ``unix://`` URLs with optional ``user:password@`` and
+    database number. Invalid arguments raise `ConfigurationError` saying how to fix them.
     """
 
     def __init__(
         self,
         urls: Sequence[str] | str,
-        retry_count: int = 3,
-        retry_delay: float = 0.2,
-        clock_drift_factor: float = 0.01,
-        node_timeout: float = 0.05,
-        key_prefix: str = "redlock:",
+        retry_count: int = RedlockSettings.retry_count,
+        retry_delay: float = RedlockSettings.retry_delay,
+        clock_drift_factor: float = RedlockSettings.clock_drift_factor,
+        node_timeout: float = RedlockSettings.node_timeout,
+        key_prefix: str = RedlockSettings.key_prefix,
     ) -> None:
-        if isinstance(urls, str):
-            urls = [urls]
-        if not urls:
-            raise ConfigurationError(
-                "no lock node URLs given; pass a list such as "
-                "['redis://r1:6379/0', 'redis://r2:6379/0', 'redis://r3:6379/0']"
-            )
-        if isinstance(retry_count, bool) or not isinstance(retry_count, int) or retry_count < 1:
-            raise ConfigurationError(
-                f"retry_count must be an integer of at least 1 (attempts per acquire), "
-                f"got {retry_count!r}"
-            )
-        _require_number("retry_delay", retry_delay, minimum=0.0, allow_minimum=True)
-        _require_number(
-            "clock_drift_factor", clock_drift_factor, 0.0, allow_minimum=True, unit="a fraction"
+        settings = RedlockSettings(
+            urls=split_urls(urls),  # type: ignore[arg-type]  # checked by RedlockSettings
+            retry_count=retry_count,
+            retry_delay=retry_delay,
+            clock_drift_factor=clock_drift_factor,
+            node_timeout=node_timeout,
+            key_prefix=key_prefix,
         )
-        if clock_drift_factor >= 0.5:
-            raise ConfigurationError(
-                f"clock_drift_factor must be below 0.5 (a fraction of the ttl; 0.01 is usual), "
-                f"got {clock_drift_factor!r}"
-            )
-        _require_number("node_timeout", node_timeout, minimum=0.0)
-        if not isinstance(key_prefix, str):
-            raise ConfigurationError(f"key_prefix must be a string, got {key_prefix!r}")
-        self.retry_count = retry_count
-        self.retry_delay = float(retry_delay)
-        self.clock_drift_factor = float(clock_drift_factor)
-        self.node_timeout = float(node_timeout)
-        self.key_prefix = key_prefix
-        self._group = NodeGroup(list(urls), self.node_timeout)
+        self._configure(settings)
+        warning = even_node_warning(len(self._group.nodes))
+        if warning:
+            logger.warning(warning)
+
+    @classmethod
+    def from_settings(cls, settings: RedlockSettings, node_timeout: float | None = None) -> Redlock:
+        """The lock manager a Celery app's settings describe (optionally with another per-node
+        timeout, as operators' commands use). It does not log the even-node warning: a worker
+        logs that once, at start, and ``celery redlock status`` reports it."""
+        if node_timeout is not None:
+            settings = dataclasses.replace(settings, node_timeout=node_timeout)
+        redlock = cls.__new__(cls)
+        redlock._configure(settings)
+        return redlock
+
+    def _configure(self, settings: RedlockSettings) -> None:
+        self.retry_count = settings.retry_count
+        self.retry_delay = float(settings.retry_delay)
+        self.clock_drift_factor = float(settings.clock_drift_factor)
+        self.node_timeout = float(settings.node_timeout)
+        self.key_prefix = settings.key_prefix
+        self._group = NodeGroup(settings.urls, self.node_timeout)
         self.quorum = self._group.quorum
-        if len(self._group.nodes) % 2 == 0:
-            logger.warning(
-                "%d lock nodes configured: an even number tolerates no more failures than one "
-                "node fewer (%d of %d must agree) while adding a node that can fail; "
-                "use an odd number such as 3 or 5",
-                len(self._group.nodes),
-                self.quorum,
-                len(self._group.nodes),
-            )
 
     @property
     def nodes(self) -> list[Node]:
@@ -157,84 +240,107 @@ class Redlock:
         """Seconds subtracted from the validity of a ``ttl``-second lock for clock drift."""
         return ttl * self.clock_drift_factor + DRIFT_CONSTANT_SECONDS
 
-    def check_ttl(self, ttl: float) -> None:
+    def check_ttl(self, ttl: float, name: str = "ttl") -> None:
         """Raise `ConfigurationError` unless a ``ttl``-second lock can have positive validity."""
-        _require_number("ttl", ttl, minimum=0.0)
+        check_seconds(name, ttl)
         if ttl - self.drift(ttl) - self.node_timeout <= 0:
             raise ConfigurationError(
-                f"ttl={ttl!r}s leaves no validity after the clock drift allowance "
-                f"({self.drift(ttl):.3f}s) and one node_timeout ({self.node_timeout}s); "
+                f"{name}={ttl!r}s leaves no validity after the clock drift allowance "
+                f"({self.drift(ttl):.3f}s) and one node timeout ({self.node_timeout}s); "
                 "use a ttl of at least a few tenths of a second"
             )
 
-    def acquire(
+    # -- acquiring ---------------------------------------------------------------------------
+
+    def attempt(
         self,
         resource: str,
         ttl: float,
-        blocking: bool = False,
-        timeout: float | None = None,
         owner: str = "",
-    ) -> Lock | None:
-        """Take the lock on ``resource`` for ``ttl`` seconds.
+        *,
+        token: str | None = None,
+        take_over: str = "",
+        completion: CompletionMarker | None = None,
+        rounds: int | None = None,
+    ) -> Outcome:
+        """One non-blocking acquisition, retried (up to ``rounds`` rounds, by default
+        ``retry_count``, jittered) only while the outcome is `Contended` or `Unavailable`.
 
-        Returns the `Lock`, or None when it is held by someone else (with ``blocking=True``:
-        when it stayed held for ``timeout`` seconds; ``timeout=None`` waits for ever). A blocking
-        acquire sleeps until the holder releases (a notification from the nodes) or its lock
-        expires, instead of polling. Raises `QuorumUnavailable` when fewer than a majority of
-        nodes answered in every attempt.
-        """
-        lock, _ = self.try_acquire(resource, ttl, owner)
-        if lock is not None or not blocking:
-            return lock
-        return self._wait_and_acquire(resource, ttl, owner, timeout)
-
-    def try_acquire(
-        self, resource: str, ttl: float, owner: str = "", take_over_from: str = ""
-    ) -> tuple[Lock | None, Contention | None]:
-        """One non-blocking acquire (up to ``retry_count`` attempts).
-
-        Returns the lock, or None and what was learned about the holder. A lock whose owner
-        description contains ``take_over_from`` (when given) is taken over as if it were free.
-        Raises `QuorumUnavailable` when no attempt reached a majority of nodes.
+        ``token`` (default: a new one) lets a caller know the token before any SET is sent;
+        ``take_over`` is an owner prefix (`celery_redlock.owner.claim_prefix`) whose lock counts
+        as free; ``completion`` makes the attempt end `Completed` when the marker covers it.
         """
         self.check_ttl(ttl)
         if not isinstance(resource, str) or not resource:
             raise ConfigurationError(f"resource must be a non-empty string, got {resource!r}")
-        if "|" in owner:
-            raise ConfigurationError(f"owner must not contain '|', got {owner!r}")
         key = self.key_for(resource)
+        # One token for every round: a SET of an earlier round that lands late on a slow node is
+        # then this acquisition's own, not a stranger blocking it for a whole ttl.
+        token = token or new_token()
+        value = lock_value(token, owner)
+        keys = [key, key + FENCE_SUFFIX]
+        extra: list[str] = []
+        if completion is not None:
+            keys.append(completion.key)
+            extra.append(completion.attempt)
         ttl_ms = max(1, int(ttl * 1000))
-        most_answered = 0
-        # One token for every attempt: a SET of an earlier attempt that lands late on a slow
-        # node is then this acquire's own, not a stranger blocking it for a whole ttl.
-        token = secrets.token_hex(TOKEN_BYTES)
-        value = f"{token}|{owner}" if owner else token
-        for attempt in range(self.retry_count):
-            if attempt:
-                time.sleep(random.uniform(0.5, 1.5) * self.retry_delay)
+        outcome: Outcome = Unavailable(QuorumUnavailable(key, 0, self.quorum))
+        for round_number in range(self.retry_count if rounds is None else rounds):
+            if round_number:
+                time.sleep(jittered(self.retry_delay))
             started = time.monotonic()
-            result = self._group.run(
-                scripts.ACQUIRE,
-                (key, key + FENCE_SUFFIX),
-                (value, ttl_ms, time.time_ns() // 1000, take_over_from),
-                _is_integer,
-            )
-            fencing_token = self._agree_on_fencing_token(key, result, ttl_ms)
-            finished = time.monotonic()
-            validity = ttl - (finished - started) - self.drift(ttl)
-            if fencing_token is not None and validity > 0:
-                return Lock(
-                    resource, key, token, validity, ttl, owner, finished + validity, fencing_token
-                ), None
+            arguments: list[str | int] = [value, ttl_ms, time.time_ns() // 1000, take_over, *extra]
+            try:
+                result = self._group.run(scripts.ACQUIRE, keys, arguments, _is_integer)
+                outcome = self._outcome(resource, token, owner, ttl, started, result)
+            except BaseException:
+                self._release_value(key, value)  # an interrupted round may have set keys
+                raise
+            if isinstance(outcome, Acquired):
+                return outcome
             # Release everywhere, including nodes that seemed to fail: a SET may have landed.
-            self._group.run(scripts.RELEASE, (key,), (value, key), _is_one, wait=False)
-            most_answered = max(most_answered, result.answered)
-            contention = self._contention(result)
-            if contention is not None:
-                return None, contention
-        if most_answered < self.quorum:
-            raise QuorumUnavailable(key, most_answered, self.quorum)
-        return None, Contention(None, ttl)
+            self._release_value(key, value)
+            if not isinstance(outcome, (Contended, Unavailable)):
+                return outcome
+        return outcome
+
+    def _outcome(
+        self,
+        resource: str,
+        token: str,
+        owner: str,
+        ttl: float,
+        started: float,
+        result: RoundResult,
+    ) -> Outcome:
+        key = self.key_for(resource)
+        if any(reply == COMPLETED_REPLY for reply in result.replies):
+            # Markers are written to a quorum after the body ran: one copy is proof enough.
+            return Completed()
+        fencing_token = self._agree_on_fencing_token(key, result, int(ttl * 1000))
+        finished = time.monotonic()
+        validity = ttl - (finished - started) - self.drift(ttl)
+        if fencing_token is not None and validity > 0:
+            lock = Lock(
+                resource=resource,
+                key=key,
+                token=token,
+                validity=validity,
+                ttl=ttl,
+                owner=owner,
+                valid_until=finished + validity,
+                fencing_token=fencing_token,
+            )
+            return Acquired(lock)
+        if result.answered < self.quorum:
+            return Unavailable(QuorumUnavailable(key, result.answered, self.quorum))
+        refusals = [(_text(reply[0]), int(reply[1])) for reply in result.replies if _is_pair(reply)]
+        held = majority_holder(refusals, self.quorum)
+        if held is not None:
+            return held
+        # A split vote: the next change comes with a release or with the soonest expiry.
+        soonest = min((max(left, 0) / 1000 for _, left in refusals), default=0.0)
+        return Contended(min(soonest, ttl))
 
     def _agree_on_fencing_token(self, key: str, result: RoundResult, ttl_ms: int) -> int | None:
         """The fencing token of a round that reached a quorum, or None if it did not.
@@ -254,94 +360,70 @@ class Redlock:
         )
         return fencing_token if raised.successes >= self.quorum else None
 
-    def _contention(self, result: RoundResult) -> Contention | None:
-        """The holder when a majority of replies name the same one; None for a split vote."""
-        holders: dict[str, list[int]] = {}
-        for reply in result.replies:
-            if isinstance(reply, list) and len(reply) == 2:
-                holder = reply[0].decode() if isinstance(reply[0], bytes) else str(reply[0])
-                holders.setdefault(holder, []).append(int(reply[1]))
-        for holder, remaining_ms in holders.items():
-            if holder and len(remaining_ms) >= self.quorum:
-                owner = holder.partition("|")[2] or None
-                # The holder's lock is gone once a majority of its keys expired.
-                # Sorted soonest first: the majority is gone once all but quorum - 1 expired.
-                expires = sorted(remaining_ms)[len(remaining_ms) - self.quorum]
-                return Contention(owner, max(expires, 0) / 1000)
-        return None
-
-    def _wait_and_acquire(
-        self, resource: str, ttl: float, owner: str, timeout: float | None
-    ) -> Lock | None:
+    def holder_of(self, resource: str) -> Held | None:
+        """Who holds the lock on ``resource`` now, when a majority of nodes agrees on one, without
+        taking it; None when nobody does. Raises `QuorumUnavailable` without a quorum."""
         key = self.key_for(resource)
+        result = self._group.run(scripts.READ, (key,), (), _is_pair)
+        if result.answered < self.quorum:
+            raise QuorumUnavailable(key, result.answered, self.quorum)
+        copies = [(_text(reply[0]), int(reply[1])) for reply in result.replies if _is_pair(reply)]
+        return majority_holder(copies, self.quorum)
+
+    def wait_for(
+        self,
+        resource: str,
+        ttl: float,
+        owner: str = "",
+        timeout: float | None = None,
+        **attempt_options: Any,
+    ) -> Outcome:
+        """Attempt until the lock is taken or ``timeout`` seconds pass (None: no limit),
+        sleeping until the holder releases (a notification from the nodes) or its lock expires,
+        never polling. Returns the first outcome that is neither `Held` nor `Contended`, or the
+        last one at the timeout. ``attempt_options`` go to `attempt`.
+        """
         deadline = None if timeout is None else time.monotonic() + timeout
-        with _ReleaseListener(self._group.nodes, key, self.node_timeout) as listener:
+        outcome = self.attempt(resource, ttl, owner, **attempt_options)
+        if not isinstance(outcome, (Held, Contended)):
+            return outcome
+        with self._group.listen_for_releases(self.key_for(resource)) as listener:
             while True:
-                # Listening before each attempt: a release between attempt and wait still wakes us.
-                lock, contention = self.try_acquire(resource, ttl, owner)
-                if lock is not None:
-                    return lock
+                # Listening before each attempt: a release between attempt and wait wakes us.
+                outcome = self.attempt(resource, ttl, owner, **attempt_options)
                 now = time.monotonic()
-                if deadline is not None and now >= deadline:
-                    return None
-                pause = contention.holder_ttl if contention else self.retry_delay
+                if not isinstance(outcome, (Held, Contended)) or (
+                    deadline is not None and now >= deadline
+                ):
+                    return outcome
+                pause = outcome.expires_in if isinstance(outcome, Held) else outcome.retry_in
                 pause = max(pause, 0.001) + random.uniform(0, self.retry_delay / 4)
                 if deadline is not None:
                     pause = min(pause, deadline - now)
                 listener.wait(pause)
 
-    def extend(self, lock: Lock, ttl: float | None = None) -> bool:
-        """Reset the lock's time to live to ``ttl`` seconds (default: its own ttl).
+    def acquire(
+        self,
+        resource: str,
+        ttl: float,
+        blocking: bool = False,
+        timeout: float | None = None,
+        owner: str = "",
+    ) -> Lock | None:
+        """Take the lock on ``resource`` for ``ttl`` seconds.
 
-        True only if a majority of nodes extended it while it was still valid; the lock's
-        ``validity`` and `remaining` are then updated. False means the lock cannot be relied on;
-        when a majority answered that the token is gone, `Lock.remaining` drops to zero too.
+        Returns the `Lock`, or None when it is held by someone else (with ``blocking=True``:
+        when it stayed held for ``timeout`` seconds; ``timeout=None`` waits for ever). A blocking
+        acquire sleeps until the holder releases or its lock expires, instead of polling. Raises
+        `QuorumUnavailable` when fewer than a majority of nodes answered.
         """
-        ttl = lock.ttl if ttl is None else ttl
-        self.check_ttl(ttl)
-        started = time.monotonic()
-        if lock.valid_until <= started:
-            return False
-        result = self._group.run(
-            scripts.EXTEND,
-            (lock.key, lock.key + FENCE_SUFFIX),
-            (lock.value, max(1, int(ttl * 1000))),
-            _is_one,
-        )
-        if result.answered - result.successes >= len(self._group.nodes) - self.quorum + 1:
-            lock.valid_until = 0.0  # a majority says the token is gone: nothing left to rely on
-            return False
-        if result.successes < self.quorum or result.finished_at >= lock.valid_until:
-            return False
-        lock.validity = ttl - (result.finished_at - started) - self.drift(ttl)
-        lock.valid_until = result.finished_at + lock.validity
-        lock.ttl = ttl
-        return lock.validity > 0
-
-    def release(self, lock: Lock) -> bool:
-        """Release the lock on every node, only where it still holds this lock's token.
-
-        Returns True if a majority confirmed the release (the lock was still held), False if it
-        had already expired or been taken over. Never removes somebody else's lock.
-        """
-        result = self._group.run(scripts.RELEASE, (lock.key,), (lock.value, lock.key), _is_one)
-        lock.valid_until = 0.0
-        return result.successes >= self.quorum
-
-    def release_if_owner_matches(self, resource: str, owner_fragment: str) -> int:
-        """Delete the lock on ``resource`` where its owner description contains
-        ``owner_fragment``; returns on how many nodes. For freeing a lost process's lock."""
-        key = self.key_for(resource)
-        result = self._group.run(
-            scripts.RELEASE_IF_OWNER_MATCHES, (key,), (owner_fragment, key), _is_one, every=True
-        )
-        return result.successes
-
-    def force_release(self, resource: str) -> int:
-        """Delete the lock on ``resource`` whoever holds it (operators only); nodes that did."""
-        key = self.key_for(resource)
-        result = self._group.run(scripts.FORCE_RELEASE, (key,), (key,), _is_one, every=True)
-        return result.successes
+        if blocking:
+            outcome = self.wait_for(resource, ttl, owner, timeout)
+        else:
+            outcome = self.attempt(resource, ttl, owner)
+        if isinstance(outcome, Unavailable):
+            raise outcome.error
+        return outcome.lock if isinstance(outcome, Acquired) else None
 
     @contextmanager
     def lock(
@@ -364,70 +446,115 @@ class Redlock:
         finally:
             self.release(lock)
 
+    # -- holding -----------------------------------------------------------------------------
+
+    def extend(self, lock: Lock, ttl: float | None = None) -> bool:
+        """Reset the lock's time to live to ``ttl`` seconds (default: its own ttl).
+
+        True only if a majority of nodes extended it while it was still valid; the lock's
+        ``validity`` and `remaining` are then updated. A node that lost the key (restarted
+        empty) gets it back. False means the lock cannot be relied on; when a majority answered
+        that another owner holds the key, `Lock.remaining` drops to zero too.
+        """
+        ttl = lock.ttl if ttl is None else ttl
+        self.check_ttl(ttl)
+        started = time.monotonic()
+        if lock.valid_until <= started:
+            return False
+        # Every node's reply is awaited (up to node_timeout): an extension still on its way to
+        # a node when the holder releases there could set the key again after the release.
+        result = self._group.run(
+            scripts.EXTEND,
+            (lock.key, lock.key + FENCE_SUFFIX),
+            (
+                lock.value,
+                max(1, int(ttl * 1000)),
+                lock.fencing_token,
+                int((time.time() + lock.valid_until - started) * 1000),
+            ),
+            _is_one,
+            every=True,
+        )
+        if result.answered - result.successes >= len(self._group.nodes) - self.quorum + 1:
+            lock.valid_until = 0.0  # a majority says another owner holds it: nothing to rely on
+            return False
+        if result.successes < self.quorum or result.finished_at >= lock.valid_until:
+            return False
+        lock.validity = ttl - (result.finished_at - started) - self.drift(ttl)
+        lock.valid_until = result.finished_at + lock.validity
+        lock.ttl = ttl
+        return lock.validity > 0
+
+    def release(
+        self,
+        lock: Lock,
+        hold: float = 0.0,
+        completion: CompletionMarker | None = None,
+        confirm: bool = True,
+    ) -> bool:
+        """Release the lock on every node, only where it still holds this lock's token.
+
+        With ``hold`` seconds, the lock is kept that much longer instead (and then expires); with
+        ``completion``, the marker is written on every node that gets the release. Returns True
+        if a majority confirmed it still held the lock, False if it had already expired or been
+        taken over. Never removes somebody else's lock.
+
+        With ``confirm=False`` the release is sent to every node and the call returns at once,
+        False: the replies are read by this thread's next round. Each node executes the release
+        before anything this thread sends it later.
+        """
+        keys = [lock.key, lock.key + FENCE_SUFFIX]
+        arguments: list[str | int] = [lock.value, max(0, int(hold * 1000))]
+        if completion is not None:
+            keys.append(completion.key)
+            arguments += [completion.attempt, max(1, int(completion.ttl * 1000))]
+        result = self._group.run(scripts.RELEASE, keys, arguments, _is_one, wait=confirm)
+        lock.valid_until = 0.0
+        return result.successes >= self.quorum
+
+    def _release_value(self, key: str, value: str) -> None:
+        """Send a release of ``value`` to every node without waiting for the replies."""
+        self._group.run(scripts.RELEASE, (key, key + FENCE_SUFFIX), (value, 0), _is_one, wait=False)
+
+    def run_script(
+        self,
+        script: scripts.Script,
+        keys: Sequence[str],
+        arguments: Sequence[str | int],
+        succeeded: Any,
+    ) -> RoundResult:
+        """Run ``script`` on every node at once, over this lock manager's connections, and
+        return each node's reply once the outcome is known (a quorum of replies for which
+        ``succeeded`` holds, or too few left). For modules that keep records beside a lock
+        (the beat leader's schedule)."""
+        return self._group.run(script, keys, arguments, succeeded)
+
+    # -- operators ---------------------------------------------------------------------------
+
+    def release_if_owner(self, resource: str, owner_prefix: str) -> int:
+        """Delete the lock on ``resource`` where its owner text starts with ``owner_prefix``
+        (`celery_redlock.owner.run_prefix`); returns on how many nodes. For freeing the lock of a
+        process that is gone, and nobody else's."""
+        key = self.key_for(resource)
+        result = self._group.run(
+            scripts.RELEASE_IF_OWNER, (key,), (owner_prefix,), _is_one, every=True
+        )
+        return result.successes
+
+    def force_release(self, resource: str) -> int:
+        """Delete the lock on ``resource`` whoever holds it (operators only); nodes that did."""
+        key = self.key_for(resource)
+        result = self._group.run(scripts.FORCE_RELEASE, (key,), (), _is_one, every=True)
+        return result.successes
+
     def close(self) -> None:
         """Close this process's idle connections to the nodes."""
         self._group.close()
 
-
-class _ReleaseListener:
-    """Subscriptions to a lock's release channel on every reachable node, for blocking waits."""
-
-    def __init__(self, nodes: Sequence[Any], channel: str, node_timeout: float) -> None:
-        self._connections: list[AbstractConnection] = []
-        now = time.monotonic()
-        for node in nodes:
-            if node.is_backed_off(now):
-                continue
-            connection = node.new_connection()
-            try:
-                connection.send_command("SUBSCRIBE", channel, check_health=False)
-                connection.read_response()
-            except (RedisClientError, OSError):
-                connection.disconnect()
-                continue
-            self._connections.append(connection)
-
-    def __enter__(self) -> _ReleaseListener:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        for connection in self._connections:
-            connection.disconnect()
-
-    def wait(self, seconds: float) -> bool:
-        """Sleep up to ``seconds``; True as soon as any node announced a release."""
-        if not self._connections:
-            time.sleep(seconds)
-            return False
-        by_descriptor: dict[int, AbstractConnection] = {}
-        poller = select.poll()
-        for connection in self._connections:
-            sock: Any = connection._sock
-            if sock is not None:
-                by_descriptor[sock.fileno()] = connection
-                poller.register(sock.fileno(), select.POLLIN)
-        woken = False
-        for descriptor, _ in poller.poll(max(seconds, 0) * 1000):
-            connection = by_descriptor[descriptor]
-            try:
-                while connection.can_read(timeout=0):
-                    message = connection.read_response()
-                    woken = woken or (isinstance(message, list) and message[:1] == [b"message"])
-            except (RedisClientError, OSError):
-                self._connections.remove(connection)
-        return woken
+    def close_thread_connections(self) -> None:
+        """Close the calling thread's connections (for threads that end after one use)."""
+        self._group.close_thread()
 
 
-def _require_number(
-    name: str, value: object, minimum: float, allow_minimum: bool = False, unit: str = "seconds"
-) -> None:
-    valid = (
-        isinstance(value, (int, float))
-        and not isinstance(value, bool)
-        and value == value  # not NaN
-        and (value >= minimum if allow_minimum else value > minimum)
-        and value != float("inf")
-    )
-    if not valid:
-        bound = f">= {minimum}" if allow_minimum else f"> {minimum}"
-        raise ConfigurationError(f"{name} must be a number {bound} ({unit}), got {value!r}")
+def _text(reply: Any) -> str:
+    return reply.decode(errors="replace") if isinstance(reply, bytes) else str(reply)

@@ -1,7 +1,15 @@
 """The Lua scripts that make acquisition, extension and release atomic on each node.
 
-Each script is run by its SHA-1 (EVALSHA); a node whose script cache is empty (restarted, or
-flushed) answers NOSCRIPT and gets the full source once (EVAL), which also caches it there.
+Scripts a round waits on (acquire, extend, raise the fencing counter) run by their SHA-1
+(EVALSHA). Every new connection loads them first (``SCRIPT LOAD``, sent with its first command),
+so even a node that answers after its round has decided has them: a restarted node is reached
+through a new connection. A node whose cache is emptied under a live connection (SCRIPT FLUSH)
+answers NOSCRIPT and gets the source once (EVAL). Scripts marked ``inline`` always carry their
+source: releases and clean-ups, whose replies may be read only after the round has decided, so a
+NOSCRIPT nobody reads must not be able to lose them.
+
+Stored values and owner prefixes are built by `celery_redlock.owner`; here they are compared as
+bytes only. Attempts are ranked ``"nesting:retries"`` (see `Owner.attempt`).
 """
 
 from __future__ import annotations
@@ -16,8 +24,6 @@ class Script:
 
     name: str
     source: str
-    # Always sent as EVAL with the source, never EVALSHA: for scripts whose NOSCRIPT reply may
-    # come after the round decided (releases), where a lost call would leave a key until its ttl.
     inline: bool = False
     sha: str = field(init=False)
 
@@ -25,101 +31,211 @@ class Script:
         object.__setattr__(self, "sha", hashlib.sha1(self.source.encode()).hexdigest())
 
 
-# KEYS[1] lock key, KEYS[2] its fencing counter; ARGV[1] value (token, then owner); ARGV[2] ttl
-# in ms; ARGV[3] the caller's clock in microseconds; ARGV[4] a fragment of an owner description
-# whose lock may be taken over (a task's own enqueue-time lock), or ''. A key already holding
-# ARGV[1] counts as taken: a late SET of an earlier attempt of the same acquire (same token).
-# Returns the fencing token (an integer) when the lock was taken, else {current value, its pttl
-# in ms} so the caller can name the holder. The token is max(counter + 1, caller's clock): it
-# grows with every acquisition, and nodes that saw the same history return the same token, so
-# no second round is needed to agree on it.
+# The completion marker of a task id holds the highest attempt ("nesting:retries") whose body
+# ran; an attempt it covers has run already.
+_COVERS = """
+local function attempt_of(text)
+    local nesting, retries = string.match(text or '', '^(%d+):(%d+)$')
+    return tonumber(nesting) or -1, tonumber(retries) or -1
+end
+local function covers(marker, attempt)
+    local marker_nesting, marker_retries = attempt_of(marker)
+    local nesting, retries = attempt_of(attempt)
+    return marker_nesting > nesting or (marker_nesting == nesting and marker_retries >= retries)
+end
+"""
+
+# The fencing counter lives at least as long as every lock it fenced: never shortened.
+_KEEP_FENCE = """
+local function keep_fence(fence_key, milliseconds)
+    if redis.call('PTTL', fence_key) < milliseconds then
+        redis.call('PEXPIRE', fence_key, milliseconds)
+    end
+end
+"""
+
+# KEYS[1] lock key, KEYS[2] its fencing counter, KEYS[3] (optional) the completion marker of the
+# caller's task id. ARGV[1] value (token|owner), ARGV[2] ttl in ms, ARGV[3] the caller's clock in
+# microseconds, ARGV[4] the owner prefix of a claim to take over (the caller's own enqueue-time
+# claim) or '', ARGV[5] (with KEYS[3]) the caller's attempt.
+# Returns the status COMPLETED when the marker covers the attempt; else the fencing token (an
+# integer) when the lock was taken — a key already holding ARGV[1] counts as taken (a late SET of
+# an earlier round of the same acquisition) — else {current value, its pttl in ms}. The fencing
+# token is max(counter + 1, caller's clock): nodes that saw the same history return the same one.
 ACQUIRE = Script(
     "acquire",
-    """
+    _COVERS
+    + """
+if KEYS[3] and covers(redis.call('GET', KEYS[3]), ARGV[5]) then
+    return redis.status_reply('COMPLETED')
+end
 local taken = redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2])
 if not taken then
     local value = redis.call('GET', KEYS[1])
-    if value == ARGV[1] or (ARGV[4] ~= '' and value and string.find(value, ARGV[4], 1, true)) then
+    local owner = value and string.sub(value, (string.find(value, '|', 1, true) or #value) + 1)
+    if value == ARGV[1] or (ARGV[4] ~= '' and owner and string.sub(owner, 1, #ARGV[4]) == ARGV[4])
+    then
         taken = redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
     end
 end
 if taken then
     local fence = math.max((tonumber(redis.call('GET', KEYS[2])) or 0) + 1, tonumber(ARGV[3]))
-    redis.call('SET', KEYS[2], string.format('%.0f', fence), 'PX', ARGV[2])
+    local keep = math.max(tonumber(ARGV[2]), redis.call('PTTL', KEYS[2]))
+    redis.call('SET', KEYS[2], string.format('%.0f', fence), 'PX', keep)
     return fence
 end
 return {redis.call('GET', KEYS[1]) or '', redis.call('PTTL', KEYS[1])}
 """,
 )
 
-# KEYS[1] fencing counter; ARGV[1] token; ARGV[2] ttl in ms. Raises a node's counter to the token
-# a new holder got elsewhere, so that every later acquisition on a majority sees a larger one.
+# KEYS[1] fencing counter; ARGV[1] fencing token; ARGV[2] ttl in ms. Raises a node's counter to
+# the token a new holder got elsewhere, so that every later acquisition on a majority sees it.
 RAISE_FENCE = Script(
     "raise_fence",
-    """
+    _KEEP_FENCE
+    + """
 if (tonumber(redis.call('GET', KEYS[1])) or 0) < tonumber(ARGV[1]) then
     redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 end
+keep_fence(KEYS[1], tonumber(ARGV[2]))
 return 1
 """,
 )
 
-# KEYS[1] lock key, KEYS[2] its fencing counter; ARGV[1] value; ARGV[2] new ttl in ms.
-# Returns 1 if extended, 0 if not ours. The counter lives as long as the lock.
+# KEYS[1] lock key, KEYS[2] its fencing counter; ARGV[1] value; ARGV[2] new ttl in ms; ARGV[3] the
+# lock's fencing token; ARGV[4] the end of the lock's validity, in ms of the caller's wall clock.
+# Returns 1 if extended, 0 if another owner holds the key or it expired. A node that lost the key
+# (restarted empty) gets it back, with its fencing counter, while the lock is valid by the
+# caller's clock — not when the extension reaches a node late (it was frozen): that would bring
+# back the lock of a holder that may be gone. The extension counts only where a majority confirms.
 EXTEND = Script(
     "extend",
-    """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-    redis.call('PEXPIRE', KEYS[2], ARGV[2])
-    return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+    _KEEP_FENCE
+    + """
+local value = redis.call('GET', KEYS[1])
+if value == ARGV[1] then
+    redis.call('PEXPIRE', KEYS[1], ARGV[2])
+elseif value then
+    return 0
+else
+    local now = redis.call('TIME')
+    if tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000) > tonumber(ARGV[4]) then
+        return 0
+    end
+    redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 end
-return 0
+if (tonumber(redis.call('GET', KEYS[2])) or 0) < tonumber(ARGV[3]) then
+    redis.call('SET', KEYS[2], ARGV[3], 'PX', ARGV[2])
+end
+keep_fence(KEYS[2], tonumber(ARGV[2]))
+return 1
 """,
 )
 
-# KEYS[1] lock key; ARGV[1] value; ARGV[2] release channel. Returns 1 if deleted, 0 if not ours.
-# The PUBLISH wakes processes waiting for this lock instead of making them poll; it is a pcall
-# because an ACL user may lack channel permissions (Redis 7 default: resetchannels), and the
-# release must count anyway: the key is already deleted.
+# KEYS[1] lock key (also the channel waiters listen on), KEYS[2] its fencing counter, KEYS[3]
+# (optional) the completion marker of the holder's task id. ARGV[1] value; ARGV[2] hold in ms (0:
+# delete now; else keep the lock that much longer); ARGV[3] (with KEYS[3]) the attempt that
+# completed; ARGV[4] (with KEYS[3]) the marker's lifetime in ms.
+# Returns 1 if the lock was still ours, else 0; the marker is written either way (the body ran).
+# The PUBLISH is a pcall: an ACL user may lack channel permissions, and the release counts anyway.
 RELEASE = Script(
     "release",
-    """
+    _COVERS
+    + _KEEP_FENCE
+    + """
+local released = 0
 if redis.call('GET', KEYS[1]) == ARGV[1] then
-    redis.call('DEL', KEYS[1])
-    redis.pcall('PUBLISH', ARGV[2], 'released')
-    return 1
+    local hold = tonumber(ARGV[2])
+    if hold > 0 then
+        redis.call('PEXPIRE', KEYS[1], hold)
+        keep_fence(KEYS[2], hold)
+    else
+        redis.call('DEL', KEYS[1])
+        redis.pcall('PUBLISH', KEYS[1], 'released')
+    end
+    released = 1
 end
-return 0
+if KEYS[3] and not covers(redis.call('GET', KEYS[3]), ARGV[3]) then
+    redis.call('SET', KEYS[3], ARGV[3], 'PX', ARGV[4])
+end
+return released
 """,
     inline=True,
 )
 
-# KEYS[1] lock key; ARGV[1] release channel. Deletes whoever holds it (operators' forced release).
+# KEYS[1] lock key. Returns {current value or '', its pttl in ms}: who holds it, without taking it.
+READ = Script("read", "return {redis.call('GET', KEYS[1]) or '', redis.call('PTTL', KEYS[1])}")
+
+# KEYS[1] lock key. Deletes whoever holds it (operators' forced release); 1 if there was one.
 FORCE_RELEASE = Script(
     "force_release",
     """
 local deleted = redis.call('DEL', KEYS[1])
 if deleted == 1 then
-    redis.pcall('PUBLISH', ARGV[1], 'released')
+    redis.pcall('PUBLISH', KEYS[1], 'released')
 end
 return deleted
 """,
     inline=True,
 )
 
-# KEYS[1] lock key; ARGV[1] a fragment of the owner description (e.g. the task id); ARGV[2]
-# release channel. Deletes the lock only if its stored owner contains the fragment: how a worker's
-# main process frees the lock of a child it lost (killed, timed out, terminated).
-RELEASE_IF_OWNER_MATCHES = Script(
-    "release_if_owner_matches",
+# KEYS[1] lock key; ARGV[1] an owner prefix (`owner.run_prefix`). Deletes the lock only if its
+# owner text starts with the prefix: how a worker's main process frees the lock of a pool process
+# it lost, and nobody else's (not the next attempt's of the same task id in another process).
+RELEASE_IF_OWNER = Script(
+    "release_if_owner",
     """
 local value = redis.call('GET', KEYS[1])
-if value and string.find(value, ARGV[1], 1, true) then
+if not value then
+    return 0
+end
+local owner = string.sub(value, (string.find(value, '|', 1, true) or #value) + 1)
+if string.sub(owner, 1, #ARGV[1]) == ARGV[1] then
     redis.call('DEL', KEYS[1])
-    redis.pcall('PUBLISH', ARGV[2], 'released')
+    redis.pcall('PUBLISH', KEYS[1], 'released')
     return 1
 end
 return 0
 """,
     inline=True,
+)
+
+# KEYS[1] the beat leader's lease key, KEYS[2] its schedule records; ARGV[1] the leader's lease
+# value; ARGV[2..] pairs of entry name and record text. Stores the records only while the lease
+# key holds the leader's own value: a leader whose lease ran out cannot overwrite its successor's
+# records. Returns 1 if stored, 0 if the lease is not the caller's here. The records are one JSON
+# object of strings (never numbers: cjson would round them).
+RECORD_BEAT_ENTRIES = Script(
+    "record_beat_entries",
+    """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+    return 0
+end
+local records = {}
+local stored = redis.call('GET', KEYS[2])
+if stored then
+    local decoded, value = pcall(cjson.decode, stored)
+    if decoded and type(value) == 'table' then
+        records = value
+    end
+end
+for index = 2, #ARGV, 2 do
+    records[ARGV[index]] = ARGV[index + 1]
+end
+redis.call('SET', KEYS[2], cjson.encode(records))
+return 1
+""",
+)
+
+# KEYS[1] the beat leader's schedule records. Returns them ('' when there are none).
+READ_BEAT_ENTRIES = Script("read_beat_entries", "return redis.call('GET', KEYS[1]) or ''")
+
+# What every new connection loads before its first command: the scripts run by SHA-1.
+LOADED_ON_CONNECT: tuple[Script, ...] = (
+    ACQUIRE,
+    RAISE_FENCE,
+    EXTEND,
+    READ,
+    RECORD_BEAT_ENTRIES,
+    READ_BEAT_ENTRIES,
 )

@@ -1,61 +1,215 @@
 """All celery_redlock settings, read once per Celery app into one validated object.
 
 Settings live in ``app.conf`` in lower case (``redlock_urls``); under Django's ``CELERY``
-namespace they are spelled ``CELERY_REDLOCK_URLS`` and so on.
+namespace they are spelled ``CELERY_REDLOCK_URLS`` and so on. Every value is checked here, once:
+a wrong one raises `ConfigurationError` naming the setting and the fix, and a worker with a wrong
+setting refuses to start.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
+from urllib.parse import parse_qs, urlsplit, urlunsplit
 
 from .errors import ConfigurationError
 
-DUPLICATE_POLICIES = ("skip", "retry", "raise", "wait")
+DUPLICATE_POLICIES = ("skip", "retry", "raise", "wait", "coalesce")
 UNAVAILABLE_POLICIES = ("retry", "raise", "run")
+URL_SCHEMES = ("redis", "rediss", "unix")
+_UNSET = object()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class RedlockSettings:
-    """The validated ``redlock_*`` settings of one Celery app (defaults beside the names)."""
+    """The validated ``redlock_*`` settings of one Celery app (defaults beside the names).
+
+    Constructing one validates every field; `from_conf` reads them from a Celery ``app.conf``.
+    """
 
     urls: tuple[str, ...] = ()  # redlock_urls; default: the broker URL when it is Redis
     ttl: float = 60.0  # redlock_ttl
     auto_extend: bool = True  # redlock_auto_extend
     on_duplicate: str = "skip"  # redlock_on_duplicate
     on_unavailable: str = "retry"  # redlock_on_unavailable
+    unavailable_timeout: float | None = 3600.0  # redlock_unavailable_timeout; None: for ever
+    completed_ttl: float = 7200.0  # redlock_completed_ttl; 0: no completion markers
     retry_count: int = 3  # redlock_retry_count
     retry_delay: float = 0.2  # redlock_retry_delay
     clock_drift_factor: float = 0.01  # redlock_clock_drift_factor
     node_timeout: float = 0.05  # redlock_node_timeout
     key_prefix: str = "redlock:"  # redlock_key_prefix
+    beat_lease_ttl: float = 30.0  # redlock_beat_lease_ttl (celery_redlock.beat)
+    beat_lease_name: str = "celery-beat-leader"  # redlock_beat_lease_name
+    reap_interval: float | None = None  # redlock_reap_interval; None: workers do not reap
+    reap_grace: float = 30.0  # redlock_reap_grace; 0: silence is never taken as proof
 
     def __post_init__(self) -> None:
-        check_positive("redlock_ttl", self.ttl)
+        if isinstance(self.urls, str) or not isinstance(self.urls, (list, tuple)):
+            raise ConfigurationError(
+                f"redlock_urls must be a list of Redis URLs, got a {type(self.urls).__name__}; "
+                "e.g. ['redis://r1:6379/0', 'redis://r2:6379/0', 'redis://r3:6379/0']"
+            )
+        if not self.urls:
+            raise ConfigurationError(
+                "redlock_urls is empty; list the independent Redis servers that hold the locks, "
+                "e.g. ['redis://r1:6379/0', 'redis://r2:6379/0', 'redis://r3:6379/0']"
+            )
+        object.__setattr__(self, "urls", tuple(self.urls))
+        for url in self.urls:
+            check_url(url)
+        check_seconds("redlock_ttl", self.ttl)
+        check_boolean("redlock_auto_extend", self.auto_extend)
         check_policy("redlock_on_duplicate", self.on_duplicate, DUPLICATE_POLICIES)
         check_policy("redlock_on_unavailable", self.on_unavailable, UNAVAILABLE_POLICIES)
-        if not isinstance(self.auto_extend, bool):
+        if self.unavailable_timeout is not None:
+            check_seconds("redlock_unavailable_timeout", self.unavailable_timeout)
+        check_seconds("redlock_completed_ttl", self.completed_ttl, allow_zero=True)
+        if (
+            isinstance(self.retry_count, bool)
+            or not isinstance(self.retry_count, int)
+            or self.retry_count < 1
+        ):
             raise ConfigurationError(
-                f"redlock_auto_extend must be True or False, got {self.auto_extend!r}"
+                "redlock_retry_count (Redlock retry_count) must be a whole number of at least 1 "
+                f"(acquisition attempts per acquire), got {self.retry_count!r}"
             )
+        check_seconds("redlock_retry_delay", self.retry_delay, allow_zero=True)
+        check_number(
+            "redlock_clock_drift_factor",
+            self.clock_drift_factor,
+            "a fraction of the ttl from 0 to 0.5 (0.01 is usual)",
+            lambda value: 0 <= value < 0.5,
+        )
+        check_seconds("redlock_node_timeout", self.node_timeout)
+        if not isinstance(self.key_prefix, str):
+            raise ConfigurationError(
+                f"redlock_key_prefix must be a string such as 'redlock:', got {self.key_prefix!r}"
+            )
+        check_number(
+            "redlock_beat_lease_ttl",
+            self.beat_lease_ttl,
+            "a positive number of seconds (how long the beat leader's lease lasts without "
+            "being extended, and so the longest a dead leader holds up the other beats; e.g. 30)",
+            lambda seconds: seconds > 0,
+        )
+        if not isinstance(self.beat_lease_name, str) or not self.beat_lease_name.strip():
+            raise ConfigurationError(
+                "redlock_beat_lease_name must be a non-empty string naming the lease that beats "
+                f"sharing one schedule compete for (e.g. 'celery-beat-leader'), got "
+                f"{self.beat_lease_name!r}"
+            )
+        if self.reap_interval is not None:
+            check_number(
+                "redlock_reap_interval",
+                self.reap_interval,
+                "a positive number of seconds between two reaps of locks whose holder is gone "
+                "(celery_redlock.admin.reap, run by every worker), or None to turn it off",
+                lambda seconds: seconds > 0,
+            )
+        check_number(
+            "redlock_reap_grace",
+            self.reap_grace,
+            "a number of seconds, 0 or more: how long a reap watches a lock whose worker does "
+            "not answer before it counts the holder as gone (0: silence is never proof; 30 is "
+            "usual, and it must exceed a third of a lock's ttl to prove anything)",
+            lambda seconds: seconds >= 0,
+        )
+
+    def __repr__(self) -> str:
+        shown = {field.name: getattr(self, field.name) for field in fields(self)}
+        shown["urls"] = tuple(redact_url(url) for url in self.urls)
+        return f"RedlockSettings({', '.join(f'{name}={value!r}' for name, value in shown.items())})"
 
     @classmethod
     def from_conf(cls, conf: Any) -> RedlockSettings:
         """Read and validate the settings from a Celery ``app.conf``."""
         values: dict[str, Any] = {}
         for field in fields(cls):
-            value = conf.get(f"redlock_{field.name}")
-            if value is not None:
+            value = conf.get(f"redlock_{field.name}", _UNSET)
+            # None means "not set", except for the one setting where it means "for ever".
+            if value is not _UNSET and (value is not None or field.name == "unavailable_timeout"):
                 values[field.name] = value
         values["urls"] = _lock_urls(values.get("urls"), conf.get("broker_url"))
         return cls(**values)
 
 
-def check_positive(name: str, value: object) -> None:
-    """Raise `ConfigurationError` unless ``value`` is a positive number of seconds."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ConfigurationError(f"{name} must be a positive number of seconds, got {value!r}")
+def check_url(url: object) -> None:
+    """Raise `ConfigurationError` unless ``url`` is one usable Redis URL."""
+    example = "redis://[user:password@]host:6379/0, rediss://... (TLS) or unix:///path/redis.sock"
+    if not isinstance(url, str):
+        raise ConfigurationError(f"redlock_urls holds {url!r}, which is not a URL; use {example}")
+    if any(character.isspace() for character in url) or ";" in url:
+        raise ConfigurationError(
+            f"redlock_urls holds {redact_url(url)!r}, which looks like several URLs in one "
+            "string; give a list of URLs, or one string with the URLs separated by commas"
+        )
+    parts = urlsplit(url)
+    if parts.scheme not in URL_SCHEMES:
+        raise ConfigurationError(
+            f"lock node URL {redact_url(url)!r} is not a Redis URL (scheme {parts.scheme!r}); "
+            f"use {example}"
+        )
+    if parts.scheme == "unix":
+        if not parts.path:
+            raise ConfigurationError(
+                f"lock node URL {redact_url(url)!r} names no socket path; use unix:///path/redis.sock"
+            )
+        database = (parse_qs(parts.query).get("db") or ["0"])[0]
+    else:
+        if not parts.hostname:
+            raise ConfigurationError(
+                f"lock node URL {redact_url(url)!r} names no host; use redis://host:6379/0"
+            )
+        try:
+            parts.port  # noqa: B018 - parsing the port is the check
+        except ValueError:
+            raise ConfigurationError(
+                f"lock node URL {redact_url(url)!r} has an invalid port; use redis://host:6379/0"
+            ) from None
+        database = parts.path.lstrip("/") or "0"
+    if not database.isdigit():
+        raise ConfigurationError(
+            f"lock node URL {redact_url(url)!r} names database {database!r}, which is not a "
+            "number; end the URL with the database number, e.g. redis://host:6379/0"
+        )
+
+
+def redact_url(url: str) -> str:
+    """The URL with any password replaced by ``***``, safe to log."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.netloc.rpartition("@")[2]  # as written: parts.port raises on a bad port
+    return urlunsplit((parts.scheme, f"{user}:***@{host}", parts.path, parts.query, ""))
+
+
+def check_number(name: str, value: object, meaning: str, valid: Any) -> None:
+    """Raise `ConfigurationError` unless ``value`` is a finite number for which ``valid`` holds."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or not valid(value)
+    ):
+        raise ConfigurationError(f"{name} must be {meaning}, got {value!r}")
+
+
+def check_seconds(name: str, value: object, allow_zero: bool = False) -> None:
+    """Raise `ConfigurationError` unless ``value`` is a positive (or zero) number of seconds."""
+    if allow_zero:
+        check_number(name, value, "a number of seconds, 0 or more", lambda seconds: seconds >= 0)
+    else:
+        check_number(name, value, "a positive number of seconds", lambda seconds: seconds > 0)
+
+
+def check_boolean(name: str, value: object) -> None:
+    """Raise `ConfigurationError` unless ``value`` is True or False."""
+    if not isinstance(value, bool):
+        raise ConfigurationError(f"{name} must be True or False, got {value!r}")
 
 
 def check_policy(name: str, value: object, allowed: Sequence[str]) -> None:
@@ -65,21 +219,22 @@ def check_policy(name: str, value: object, allowed: Sequence[str]) -> None:
         raise ConfigurationError(f"{name} must be one of {choices}, got {value!r}")
 
 
-def _lock_urls(configured: object, broker_url: object) -> tuple[str, ...]:
+def split_urls(urls: object) -> object:
+    """A comma-separated string of URLs as a tuple; anything else unchanged (checked later)."""
+    if isinstance(urls, str):
+        return tuple(url.strip() for url in urls.split(",") if url.strip())
+    return urls
+
+
+def _lock_urls(configured: object, broker_url: object) -> object:
     if configured is None:
         broker = broker_url.split(";")[0] if isinstance(broker_url, str) else ""
-        if broker.startswith(("redis://", "rediss://", "unix://")):
+        if broker.startswith(tuple(f"{scheme}://" for scheme in URL_SCHEMES)):
             return (broker,)
         raise ConfigurationError(
             "redlock_urls is not set and the broker is not Redis "
-            f"({broker or 'no broker_url'}); set app.conf.redlock_urls to a list of "
-            "independent Redis servers, e.g. ['redis://r1:6379/0', 'redis://r2:6379/0', "
-            "'redis://r3:6379/0'] (CELERY_REDLOCK_URLS under Django)"
+            f"({redact_url(broker) if broker else 'no broker_url'}); set app.conf.redlock_urls "
+            "to a list of independent Redis servers, e.g. ['redis://r1:6379/0', "
+            "'redis://r2:6379/0', 'redis://r3:6379/0'] (CELERY_REDLOCK_URLS under Django)"
         )
-    if isinstance(configured, str):
-        configured = [url.strip() for url in configured.split(",") if url.strip()]
-    if not isinstance(configured, (list, tuple)) or not configured:
-        raise ConfigurationError(
-            f"redlock_urls must be a non-empty list of Redis URLs, got {configured!r}"
-        )
-    return tuple(configured)
+    return split_urls(configured)

@@ -171,7 +171,7 @@ def test_scripts_are_resent_after_script_flush(three_nodes):
             client.script_flush()
     lock = dlm.acquire("flushed", ttl=5.0)
     assert lock is not None
-    assert values_on(three_nodes, lock.key) == [lock.value] * 3
+    assert wait_until(lambda: values_on(three_nodes, lock.key) == [lock.value] * 3)
     for server in three_nodes:
         with server.client() as client:
             client.script_flush()
@@ -181,6 +181,24 @@ def test_scripts_are_resent_after_script_flush(three_nodes):
             client.script_flush()
     assert dlm.release(lock) is True
     assert wait_until(lambda: values_on(three_nodes, lock.key) == [None] * 3, timeout=1.0)
+
+
+def test_a_node_that_answers_after_the_round_decided_still_sets_the_key(three_nodes):
+    """A new connection loads the scripts with its first command: a node whose script cache is
+    empty and whose reply comes only after a quorum decided still holds the key, instead of
+    answering a NOSCRIPT that nobody reads."""
+    for server in three_nodes:
+        with server.client() as client:
+            client.script_flush()
+    dlm = Redlock(three_nodes.urls, node_timeout=1.0)
+    three_nodes[2].pause()
+    try:
+        lock = dlm.acquire("late-node", ttl=10.0)
+        assert lock is not None  # decided by nodes 0 and 1
+    finally:
+        three_nodes[2].resume()
+    assert wait_until(lambda: values_on(three_nodes, lock.key) == [lock.value] * 3)
+    assert dlm.release(lock) is True
 
 
 def test_release_cleans_a_node_whose_script_cache_was_flushed(three_nodes):

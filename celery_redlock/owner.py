@@ -1,0 +1,203 @@
+"""Who holds a lock: the value stored on the lock nodes, built and parsed here and nowhere else.
+
+A stored value is ``token + "|" + owner text``. The token is lowercase hex, so the first ``|``
+always ends it, whatever the owner text holds. The owner text of a task run is compact JSON whose
+first fields are always ``id``, ``queued``, ``pid`` and ``host``, in that order: the Lua scripts
+match a holder by comparing the start of the owner text with a prefix built here
+(`claim_prefix`, `run_prefix`), so task ids with any characters (``|``, quotes, backslashes,
+non-ASCII) match exactly. Owner texts never hold argument values or tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any
+
+SEPARATOR = "|"
+
+
+def lock_value(token: str, owner_text: str) -> str:
+    """The value stored on the nodes for a lock with ``token`` held by ``owner_text``."""
+    return f"{token}{SEPARATOR}{owner_text}" if owner_text else token
+
+
+def owner_text_of(value: str) -> str:
+    """The owner text of a stored value ('' when the value carries none)."""
+    return value.partition(SEPARATOR)[2]
+
+
+_ENCODER = json.JSONEncoder(separators=(",", ":"))  # built once: owner texts are made per run
+
+
+def _encode(value: object) -> str:
+    return _ENCODER.encode(value)
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The public description of a lock holder: which task run, where, since when.
+
+    ``queued`` marks the claim `SingletonTask.apply_async` takes for a task id with
+    ``lock_on_enqueue``; the run of that id takes the claim over. ``retries`` and ``nesting``
+    (Celery's ``replaced_task_nesting``) order the attempts of one task id.
+    """
+
+    id: str | None
+    task: str | None = None
+    retries: int = 0
+    nesting: int = 0
+    host: str = ""
+    pid: int = 0
+    worker: str | None = None
+    since: float = 0.0
+    queued: bool = False
+    role: str | None = None  # None: a task run; "beat": the beat leader's lease
+
+    @classmethod
+    def here(
+        cls,
+        task: str | None,
+        task_id: str | None,
+        retries: int = 0,
+        nesting: int = 0,
+        worker: str | None = None,
+        queued: bool = False,
+        role: str | None = None,
+    ) -> Owner:
+        """An owner in this process (host name and process id filled in), starting now."""
+        return cls(
+            id=task_id,
+            task=task,
+            retries=retries,
+            nesting=nesting,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            worker=worker,
+            since=round(time.time(), 3),
+            queued=queued,
+            role=role,
+        )
+
+    @property
+    def attempt(self) -> tuple[int, int]:
+        """The attempt of its task id: later replacements and retries compare greater."""
+        return (self.nesting, self.retries)
+
+    def to_text(self) -> str:
+        """The owner text stored beside the token (the matching prefixes come first)."""
+        fields: dict[str, Any] = {
+            "id": self.id,
+            "queued": self.queued,
+            "pid": self.pid,
+            "host": self.host,
+            "task": self.task,
+            "retries": self.retries,
+            "nesting": self.nesting,
+            "since": self.since,
+        }
+        if self.worker:
+            fields["worker"] = self.worker
+        if self.role:
+            fields["role"] = self.role
+        return _encode(fields)
+
+    @classmethod
+    def parse(cls, text: str | None) -> Owner | None:
+        """The owner described by an owner text, or None when it is not one of ours."""
+        if not text:
+            return None
+        try:
+            fields = json.loads(text)
+        except ValueError:
+            return None
+        if not isinstance(fields, dict):
+            return None
+        try:
+            return cls(
+                id=_optional_text(fields.get("id")),
+                task=_optional_text(fields.get("task")),
+                retries=int(fields.get("retries") or 0),
+                nesting=int(fields.get("nesting") or 0),
+                host=str(fields.get("host") or ""),
+                pid=int(fields.get("pid") or 0),
+                worker=_optional_text(fields.get("worker")),
+                since=float(fields.get("since") or 0.0),
+                queued=bool(fields.get("queued")),
+                role=_optional_text(fields.get("role")),
+            )
+        except (TypeError, ValueError):
+            return None
+
+    def describe(self) -> str:
+        """A short human description, for logs and errors."""
+        where = self.worker or self.host
+        if self.role:
+            return f"{self.role} on {where} pid {self.pid}"
+        what = "queued call" if self.queued else "task"
+        return f"{what} {self.task}[{self.id}] on {where} pid {self.pid}"
+
+    def to_json(self) -> dict[str, Any]:
+        """The public fields as a JSON-ready dict (what signals and the admin API show)."""
+        return {
+            "task": self.task,
+            "id": self.id,
+            "retries": self.retries,
+            "nesting": self.nesting,
+            "host": self.host,
+            "pid": self.pid,
+            "worker": self.worker,
+            "since": self.since,
+            "queued": self.queued,
+            "role": self.role,
+        }
+
+
+class RunOwnerTexts:
+    """The owner texts of one task's runs, as `Owner.to_text` writes them, built fast: what does
+    not change from run to run (task, host, process, worker) is encoded once per process."""
+
+    def __init__(self, task: str) -> None:
+        self.task = task
+        self._pid = 0
+        self._worker: str | None = None
+        self._middle = ""
+        self._end = "}"
+
+    def text(self, task_id: str | None, retries: int, nesting: int, worker: str | None) -> str:
+        """The owner text of a run of ``task_id`` starting now in this process."""
+        pid = os.getpid()
+        if pid != self._pid or worker != self._worker:  # first use, or a forked child
+            self._pid, self._worker = pid, worker
+            host = _encode(socket.gethostname())
+            self._middle = f',"queued":false,"pid":{pid},"host":{host},"task":{_encode(self.task)}'
+            self._end = f',"worker":{_encode(worker)}}}' if worker else "}"
+        return (
+            f'{{"id":{_encode(task_id)}{self._middle},"retries":{retries},"nesting":{nesting},'
+            f'"since":{round(time.time(), 3)}{self._end}'
+        )
+
+
+def _optional_text(value: object) -> str | None:
+    return None if value is None else str(value)
+
+
+def claim_prefix(task_id: str) -> str:
+    """How the owner text of the enqueue-time claim of ``task_id`` starts."""
+    return "{" + f'"id":{_encode(task_id)},"queued":true,'
+
+
+def run_prefix(task_id: str, pid: int, host: str) -> str:
+    """How the owner text of a run of ``task_id`` in process ``pid`` on ``host`` starts."""
+    return "{" + f'"id":{_encode(task_id)},"queued":false,"pid":{pid},"host":{_encode(host)},'
+
+
+def describe_holder(owner_text: str | None) -> str:
+    """A human description of whoever an owner text names."""
+    owner = Owner.parse(owner_text)
+    if owner is not None:
+        return owner.describe()
+    return owner_text or "an unknown owner"
