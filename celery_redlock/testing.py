@@ -1,4 +1,4 @@
-"""Real Redis servers for tests, benchmarks and examples.
+"""Real Redis servers and real Celery processes for tests, benchmarks and examples.
 
 This module starts genuine ``redis-server`` processes on free TCP ports of 127.0.0.1, one
 process per :class:`RedisServer`, so that lock code can be tested against the real thing,
@@ -26,6 +26,27 @@ The processes share the caller's process group, so Ctrl-C in a terminal stops th
 running server also registers an :mod:`atexit` hook that stops it when the interpreter exits.
 A caller killed with SIGKILL can still leave servers behind: prefer context managers or
 fixtures, which stop them as soon as they are no longer needed.
+
+Celery processes: :class:`CeleryWorker` runs a real ``celery -A <app> worker`` subprocess (prefork
+by default) and :class:`CeleryBeat` a real ``celery -A <app> beat``; both are
+:class:`CeleryProcess` (any ``celery`` sub-command), itself a :class:`ManagedProcess` (any
+command). Each runs in a session, and so a process group, of its own: :meth:`ManagedProcess.kill`
+and :meth:`ManagedProcess.stop` reach the worker's pool children too, and a Ctrl-C in a terminal
+reaches only the caller, which decides how its processes end. Output goes to a log file
+(:attr:`ManagedProcess.log_path`), quoted in every error. :func:`wait_for_workers` waits until
+workers answer ``app.control.ping``; :func:`celery_processes` is a list whose processes are all
+killed when the block ends; :func:`stop_processes` stops several at once, gracefully first.
+
+Example::
+
+    from celery_redlock.testing import CeleryWorker, RedisNodes, RedisServer, celery_processes
+
+    with RedisServer() as broker, RedisNodes(3) as nodes, celery_processes() as processes:
+        settings = {"broker_url": broker.url, "redlock_urls": nodes.urls}
+        worker = CeleryWorker("proj.celery:app", "alpha", settings=settings)
+        processes.append(worker.start())
+        worker.wait_ready(app)        # any app on the same broker
+        ...
 """
 
 from __future__ import annotations
@@ -33,29 +54,44 @@ from __future__ import annotations
 import atexit
 import contextlib
 import importlib.util
+import json
 import os
+import select
 import shlex
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import quote
 
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+if TYPE_CHECKING:
+    from celery import Celery
+
 __all__ = [
     "REDIS_SERVER_ENVIRONMENT_VARIABLE",
+    "CeleryBeat",
+    "CeleryProcess",
+    "CeleryWorker",
+    "ManagedProcess",
+    "ProcessExitedError",
     "RedisNodes",
     "RedisServer",
+    "WorkerNotReadyError",
+    "celery_processes",
     "find_redis_server",
+    "stop_processes",
+    "wait_for_workers",
 ]
 
 REDIS_SERVER_ENVIRONMENT_VARIABLE = "CELERY_REDLOCK_REDIS_SERVER"
@@ -622,3 +658,673 @@ class RedisNodes:
 
     def __repr__(self) -> str:
         return f"<RedisNodes {list(self._servers)!r}>"
+
+
+# -- Celery worker and beat subprocesses --------------------------------------------------------
+
+_ProcessT = TypeVar("_ProcessT", bound="ManagedProcess")
+
+_REAP_TIMEOUT = 10.0  # seconds to wait for a SIGKILLed process to be reaped
+_HURRY_CHECK_INTERVAL = 0.05  # how often a stop waiting on exits asks `hurry`
+_EXIT_POLL_INTERVAL = 0.01  # without pidfd (not Linux): how often exits are polled
+_PING_TIMEOUT = 0.5  # seconds one readiness ping waits for replies
+_PROCESS_LOG_TAIL_LINES = 60
+_ENVIRONMENT_OF_SETTINGS = {
+    # Celery reads these variables before the settings (celery.app.utils.Settings), so a
+    # process given these settings gets the variables too: a value in the caller's environment
+    # must not win over them.
+    "broker_url": "CELERY_BROKER_URL",
+    "result_backend": "CELERY_RESULT_BACKEND",
+}
+
+
+class ProcessExitedError(RuntimeError):
+    """A process expected to run has exited; the message ends with the end of its output."""
+
+
+class WorkerNotReadyError(RuntimeError):
+    """Workers did not answer ``ping`` in time; the message ends with the end of their output."""
+
+
+class ManagedProcess:
+    """One command run in a session (and so a process group) of its own, output to a log file.
+
+    The constructor starts nothing: call :meth:`start`, or use the instance as a context manager,
+    which starts it on entry and kills its whole process group on exit. Because the group is the
+    process's own, :meth:`kill` and :meth:`stop` also reach every process it started (a worker's
+    pool children), and a terminal's Ctrl-C reaches only the caller. A started process that was
+    not yet reaped is killed, group and all, when the interpreter exits.
+
+    The main process is not reaped until it is killed or waited for (:meth:`kill`, :meth:`stop`,
+    :meth:`wait`): until then its pid stays reserved, so signalling its group can only ever reach
+    the processes it started. :attr:`returncode`, :attr:`is_running` and :meth:`wait_for_exit`
+    look at it without reaping it.
+
+    Args:
+        command: the program and its arguments.
+        environment: variables for the process, added to the caller's environment (or, with
+            ``inherit_environment=False``, the whole environment).
+        inherit_environment: whether the process starts from the caller's environment.
+        python_path: directories put first on the process's ``PYTHONPATH``.
+        working_directory: the process's working directory; by default the caller's.
+        log_path: the file the process's standard output and error are appended to; by default
+            a new temporary file (:meth:`remove_log` deletes it).
+        label: a short name for messages; by default the program's name.
+    """
+
+    def __init__(
+        self,
+        command: Sequence[str],
+        *,
+        environment: Mapping[str, str] | None = None,
+        inherit_environment: bool = True,
+        python_path: Sequence[str | os.PathLike[str]] = (),
+        working_directory: str | os.PathLike[str] | None = None,
+        log_path: str | os.PathLike[str] | None = None,
+        label: str | None = None,
+    ) -> None:
+        if isinstance(command, str):
+            raise TypeError("command must be a sequence of arguments, not one string")
+        if not command:
+            raise ValueError("command is empty")
+        self._command = tuple(str(argument) for argument in command)
+        self._environment = dict(environment or {})
+        self._inherit_environment = inherit_environment
+        self._python_path = tuple(os.fspath(entry) for entry in python_path)
+        self._working_directory = (
+            None if working_directory is None else os.fspath(working_directory)
+        )
+        self._label = label or Path(self._command[0]).name
+        if log_path is None:
+            file_label = "".join(c if c.isalnum() else "-" for c in self._label)
+            handle, name = tempfile.mkstemp(prefix=f"celery-redlock-{file_label}-", suffix=".log")
+            os.close(handle)
+            self._log_path = Path(name)
+        else:
+            self._log_path = Path(log_path)
+        self._process: subprocess.Popen[bytes] | None = None
+
+    # -- identity -------------------------------------------------------------------------
+
+    @property
+    def command(self) -> tuple[str, ...]:
+        """The program and its arguments, as started."""
+        return self._command
+
+    @property
+    def label(self) -> str:
+        """The short name used in messages."""
+        return self._label
+
+    @property
+    def log_path(self) -> Path:
+        """The file holding the process's output (standard output and error)."""
+        return self._log_path
+
+    @property
+    def process(self) -> subprocess.Popen[bytes] | None:
+        """The :class:`subprocess.Popen` of the main process, ``None`` before :meth:`start`."""
+        return self._process
+
+    @property
+    def pid(self) -> int:
+        """The main process's id, which is also its process group's id.
+
+        Raises:
+            RuntimeError: the process was never started.
+        """
+        return self._started().pid
+
+    @property
+    def returncode(self) -> int | None:
+        """The exit status once the main process has exited (negative: killed by that signal);
+        ``None`` while it runs or before it starts. Reading it does not reap the process."""
+        process = self._process
+        if process is None:
+            return None
+        if process.returncode is not None:
+            return process.returncode
+        if not hasattr(os, "waitid"):  # macOS: no waitid, so poll (which reaps)
+            return process.poll()
+        try:
+            result = os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:  # reaped behind our back (os.wait): Popen knows no status
+            return process.poll()
+        if result is None:
+            return None
+        return result.si_status if result.si_code == os.CLD_EXITED else -result.si_status
+
+    @property
+    def is_running(self) -> bool:
+        """Whether the process was started and its main process has not exited."""
+        return self._process is not None and self.returncode is None
+
+    # -- life cycle -----------------------------------------------------------------------
+
+    def start(self: _ProcessT) -> _ProcessT:
+        """Launch the process (without waiting for anything) and return ``self``.
+
+        Raises:
+            RuntimeError: the process was started before.
+        """
+        if self._process is not None:
+            raise RuntimeError(f"{self._label} was already started (pid {self._process.pid})")
+        environment = dict(os.environ) if self._inherit_environment else {}
+        environment.update(self._environment)
+        if self._python_path:
+            entries = [*self._python_path, environment.get("PYTHONPATH", "")]
+            environment["PYTHONPATH"] = os.pathsep.join(entry for entry in entries if entry)
+        with self._log_path.open("ab") as log:
+            self._process = subprocess.Popen(
+                list(self._command),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=environment,
+                cwd=self._working_directory,
+                start_new_session=True,
+            )
+        atexit.register(self._kill_at_exit)
+        return self
+
+    def check_alive(self) -> None:
+        """Return if the process runs; raise with the end of its output if it has exited.
+
+        Raises:
+            ProcessExitedError: the main process has exited.
+            RuntimeError: the process was never started.
+        """
+        process = self._started()
+        returncode = self.returncode
+        if returncode is not None:
+            raise ProcessExitedError(
+                f"{self._label} (pid {process.pid}) exited with status {returncode}; end of "
+                f"its output ({self._log_path}):\n{self.log_tail() or '(log is empty)'}"
+            )
+
+    def send_signal(self, signum: int, *, group: bool = True) -> None:
+        """Send ``signum`` to the whole process group, or with ``group=False`` to the main process
+        only. Does nothing once the main process has exited.
+
+        Raises:
+            RuntimeError: the process was never started.
+        """
+        process = self._started()
+        if self.returncode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if group:
+                os.killpg(process.pid, signum)
+            else:
+                process.send_signal(signum)
+
+    def terminate(self, *, group: bool = True) -> None:
+        """Ask the process to stop (SIGTERM: Celery's warm shutdown, running tasks finish), to
+        the whole group or with ``group=False`` the main process only; does not wait."""
+        self.send_signal(signal.SIGTERM, group=group)
+
+    def wait_for_exit(self, timeout: float | None = None) -> bool:
+        """Wait until the main process exits, at most ``timeout`` seconds (``None``: for ever);
+        return whether it has. Does not reap it. False if it was never started."""
+        if self._process is None:
+            return False
+        return _wait_for_exits([self], timeout)
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait until the main process exits, reap it and return its exit status.
+
+        Raises:
+            subprocess.TimeoutExpired: it still runs after ``timeout`` seconds.
+            RuntimeError: the process was never started.
+        """
+        status = self._started().wait(timeout)
+        atexit.unregister(self._kill_at_exit)
+        return status
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        """Stop gracefully: SIGTERM to the group, then SIGKILL to the group for whatever is left
+        after ``timeout`` seconds (and for any child its parent left behind); reap the process
+        and return its exit status (``None`` if it was never started)."""
+        stop_processes([self], timeout)
+        return None if self._process is None else self._process.returncode
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group (the process and every child it started) and reap
+        the main process. Does nothing if the process was never started; safe to repeat."""
+        process = self._process
+        if process is None:
+            return
+        # The group is the process's own (start_new_session): its id is the main process's pid,
+        # which is not reused while the process is unreaped or its group still has members.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(_REAP_TIMEOUT)
+        if process.returncode is not None:
+            atexit.unregister(self._kill_at_exit)
+
+    # -- output ---------------------------------------------------------------------------
+
+    def log_text(self) -> str:
+        """The whole output so far (empty when there is none)."""
+        try:
+            return self._log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def log_tail(self, lines: int = _PROCESS_LOG_TAIL_LINES) -> str:
+        """The last ``lines`` lines of the output (empty when there is none)."""
+        return "\n".join(self.log_text().splitlines()[-lines:])
+
+    def remove_log(self) -> None:
+        """Delete the log file (nothing happens if it is already gone)."""
+        with contextlib.suppress(OSError):
+            self._log_path.unlink()
+
+    def __enter__(self: _ProcessT) -> _ProcessT:
+        """Start the process unless it was started already, and return it."""
+        if self._process is None:
+            self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc_value: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        """Kill the process group."""
+        self.kill()
+
+    def __repr__(self) -> str:
+        if self._process is None:
+            state = "not started"
+        else:
+            returncode = self.returncode
+            state = "running" if returncode is None else f"exited {returncode}"
+            state = f"pid {self._process.pid} {state}"
+        return f"<{type(self).__name__} {self._label} {state}>"
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _started(self) -> subprocess.Popen[bytes]:
+        if self._process is None:
+            raise RuntimeError(f"{self._label} was never started")
+        return self._process
+
+    def _exit_descriptor(self) -> int | None:
+        """A descriptor that becomes readable when the unreaped main process exits (Linux
+        pidfd), or None where there is none."""
+        process = self._process
+        pidfd_open: Callable[[int], int] | None = getattr(os, "pidfd_open", None)
+        if pidfd_open is None or process is None or process.returncode is not None:
+            return None
+        try:
+            return pidfd_open(process.pid)
+        except OSError:  # kernel older than 5.3, or no such process
+            return None
+
+    def _kill_at_exit(self) -> None:
+        with contextlib.suppress(Exception):
+            self.kill()
+
+
+def _wait_for_exits(
+    processes: Sequence[ManagedProcess],
+    timeout: float | None,
+    hurry: Callable[[], bool] | None = None,
+) -> bool:
+    """Wait until every started process has exited, without reaping any; return whether they
+    have. Gives up after ``timeout`` seconds (``None``: never), or as soon as ``hurry()`` is true
+    (asked every few tens of milliseconds).
+
+    On Linux the wait is on the processes' pidfds (woken by the exits themselves); elsewhere the
+    processes are polled.
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    descriptors: dict[ManagedProcess, int] = {}
+    try:
+        for process in processes:
+            if process.process is not None:
+                descriptor = process._exit_descriptor()
+                if descriptor is not None:
+                    descriptors[process] = descriptor
+        while True:
+            pending = [p for p in processes if p.process is not None and p.returncode is None]
+            if not pending:
+                return True
+            if hurry is not None and hurry():
+                return False
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                return False
+            watched = [descriptors[p] for p in pending if p in descriptors]
+            if len(watched) < len(pending):
+                step: float | None = _EXIT_POLL_INTERVAL
+            elif hurry is not None:
+                step = _HURRY_CHECK_INTERVAL
+            else:
+                step = remaining
+            if step is not None and remaining is not None:
+                step = min(step, remaining)
+            if watched:
+                select.select(watched, [], [], step)
+            else:
+                time.sleep(step or 0)
+    finally:
+        for descriptor in descriptors.values():
+            os.close(descriptor)
+
+
+def stop_processes(
+    processes: Iterable[ManagedProcess],
+    timeout: float = 10.0,
+    *,
+    group: bool = True,
+    hurry: Callable[[], bool] | None = None,
+) -> None:
+    """Stop several processes at once: SIGTERM to each (to its whole group, or with
+    ``group=False`` to its main process only), wait until all have exited, at most ``timeout``
+    seconds in all, then SIGKILL every group (whatever is left, including children a parent left
+    behind) and reap every process.
+
+    ``hurry`` is asked while waiting; once it returns true the wait ends at once (for example a
+    second Ctrl-C meaning "kill now"). Processes never started, or already gone, are fine:
+    this never raises for them, and calling it again is harmless.
+    """
+    chosen = [process for process in processes if process.process is not None]
+    for process in chosen:
+        if process.is_running:
+            process.terminate(group=group)
+    _wait_for_exits(chosen, timeout, hurry)
+    for process in chosen:
+        process.kill()
+
+
+@contextlib.contextmanager
+def celery_processes(*, remove_logs: bool = True) -> Iterator[list[ManagedProcess]]:
+    """A list to put started processes in; when the block ends, every one is killed (SIGKILL to
+    its whole group, last added first) and reaped, whatever happened in the block.
+
+    With ``remove_logs`` the processes' log files are deleted too, unless the block raised: the
+    logs of a failure stay for reading.
+    """
+    processes: list[ManagedProcess] = []
+    failed = False
+    try:
+        yield processes
+    except BaseException:
+        failed = True
+        raise
+    finally:
+        for process in reversed(processes):
+            process.kill()
+        if remove_logs and not failed:
+            for process in processes:
+                process.remove_log()
+
+
+def _command_line_settings(settings: Mapping[str, Any]) -> list[str]:
+    """``key=(json)<value>`` arguments that ``celery worker`` and ``celery beat`` apply to their
+    app's configuration (Celery's ``config_from_cmdline``)."""
+    arguments = []
+    for key, value in settings.items():
+        # Celery splits the key at its first underscore into a namespace and a name.
+        if key != key.lower() or "_" not in key.strip("_") or key.startswith("_"):
+            raise ValueError(
+                f"setting {key!r} cannot be given on a celery command line: only lower-case "
+                "settings with an underscore (such as 'redlock_urls') can; set it in the app"
+            )
+        try:
+            encoded = json.dumps(value)
+        except (TypeError, ValueError) as error:
+            raise TypeError(
+                f"setting {key!r}: {value!r} cannot be passed to another process as JSON "
+                f"({error}); set it in the app instead"
+            ) from None
+        arguments.append(f"{key}=(json){encoded}")
+    return arguments
+
+
+class CeleryProcess(ManagedProcess):
+    """``python -m celery -A <app> <arguments>`` as a :class:`ManagedProcess`, run by the
+    caller's Python interpreter.
+
+    Args:
+        app: what ``celery -A`` takes: ``"proj.celery:app"``, ``"proj.celery"``, ``"proj"``.
+        arguments: the sub-command and its options, e.g. ``["worker", "-P", "solo"]``.
+        settings: Celery settings applied on top of the app's own when the process starts (for
+            the ``worker`` and ``beat`` sub-commands): lower-case names such as
+            ``"redlock_urls"``, JSON values. They go on the command line after ``--``; the
+            ``broker_url`` and ``result_backend`` values also become the process's
+            ``CELERY_BROKER_URL`` and ``CELERY_RESULT_BACKEND``, which Celery reads first.
+        **options: the options of :class:`ManagedProcess` (``environment``,
+            ``inherit_environment``, ``python_path``, ``working_directory``, ``log_path``,
+            ``label``; the label defaults to the sub-command).
+
+    Raises:
+        ValueError, TypeError: a setting cannot be passed this way (the message says why).
+    """
+
+    def __init__(
+        self,
+        app: str,
+        arguments: Sequence[str],
+        *,
+        settings: Mapping[str, Any] | None = None,
+        environment: Mapping[str, str] | None = None,
+        inherit_environment: bool = True,
+        python_path: Sequence[str | os.PathLike[str]] = (),
+        working_directory: str | os.PathLike[str] | None = None,
+        log_path: str | os.PathLike[str] | None = None,
+        label: str | None = None,
+    ) -> None:
+        if isinstance(arguments, str):
+            raise TypeError("arguments must be a sequence of arguments, not one string")
+        self._app = app
+        self._arguments = tuple(arguments)
+        command = [sys.executable, "-m", "celery", "-A", app, *self._arguments]
+        variables = dict(environment or {})
+        if settings:
+            command += ["--", *_command_line_settings(settings)]
+            for setting, variable in _ENVIRONMENT_OF_SETTINGS.items():
+                value = settings.get(setting)
+                if isinstance(value, str):
+                    variables[variable] = value
+        super().__init__(
+            command,
+            environment=variables,
+            inherit_environment=inherit_environment,
+            python_path=python_path,
+            working_directory=working_directory,
+            log_path=log_path,
+            label=label or (self._arguments[0] if self._arguments else "celery"),
+        )
+
+    @property
+    def app(self) -> str:
+        """The app as given to ``celery -A``."""
+        return self._app
+
+    @property
+    def arguments(self) -> tuple[str, ...]:
+        """The sub-command and its options (without the settings)."""
+        return self._arguments
+
+
+class CeleryWorker(CeleryProcess):
+    """A real ``celery -A <app> worker`` named ``name@<host>`` (prefork by default).
+
+    The worker runs without heartbeat, mingle and gossip (nothing waits on other workers at
+    start) and is started by :meth:`start`; :meth:`wait_ready` returns once it answers
+    ``app.control.ping``. It consumes the app's default queue unless ``queues`` says otherwise.
+
+    Args:
+        app: what ``celery -A`` takes (see :class:`CeleryProcess`).
+        name: the node name, ``name@<this host>``; a name containing ``@`` is used as it is
+            (``%h`` and the like are not expanded).
+        pool: the pool (``-P``): ``prefork``, ``threads``, ``solo``, ...
+        concurrency: pool processes or threads (``-c``).
+        loglevel: ``--loglevel``.
+        queues: queues to consume (``-Q``); by default the app's.
+        arguments: more ``celery worker`` options, placed after these.
+        settings: Celery settings applied on top of the app's (see :class:`CeleryProcess`).
+        **options: the options of :class:`ManagedProcess`; the label is the node name.
+    """
+
+    def __init__(
+        self,
+        app: str,
+        name: str = "worker",
+        *,
+        pool: str = "prefork",
+        concurrency: int = 2,
+        loglevel: str = "INFO",
+        queues: Sequence[str] = (),
+        arguments: Sequence[str] = (),
+        settings: Mapping[str, Any] | None = None,
+        environment: Mapping[str, str] | None = None,
+        inherit_environment: bool = True,
+        python_path: Sequence[str | os.PathLike[str]] = (),
+        working_directory: str | os.PathLike[str] | None = None,
+        log_path: str | os.PathLike[str] | None = None,
+        label: str | None = None,
+    ) -> None:
+        if isinstance(queues, str) or isinstance(arguments, str):
+            raise TypeError("queues and arguments must be sequences, not one string")
+        self._hostname = name if "@" in name else f"{name}@{socket.gethostname()}"
+        worker_arguments = [
+            "worker",
+            "-P",
+            pool,
+            "-c",
+            str(concurrency),
+            "-n",
+            self._hostname,
+            "--loglevel",
+            loglevel,
+            "--without-heartbeat",
+            "--without-mingle",
+            "--without-gossip",
+        ]
+        if queues:
+            worker_arguments += ["-Q", ",".join(queues)]
+        super().__init__(
+            app,
+            [*worker_arguments, *arguments],
+            settings=settings,
+            environment=environment,
+            inherit_environment=inherit_environment,
+            python_path=python_path,
+            working_directory=working_directory,
+            log_path=log_path,
+            label=label or self._hostname,
+        )
+
+    @property
+    def hostname(self) -> str:
+        """The node name, ``name@host``: what ``ping`` replies carry and tasks see as
+        ``self.request.hostname``."""
+        return self._hostname
+
+    def wait_ready(self, app: Celery, timeout: float = 60.0) -> None:
+        """Return once the worker answers ``app.control.ping`` (``app``: any app on the
+        worker's broker).
+
+        Raises:
+            ProcessExitedError: the worker exited meanwhile.
+            WorkerNotReadyError: no answer within ``timeout`` seconds.
+        """
+        wait_for_workers(app, [self], timeout)
+
+    def child_pids(self) -> set[int]:
+        """The ids of the worker's direct children (its pool processes), read from ``/proc``;
+        empty where there is no ``/proc``."""
+        children: set[int] = set()
+        parent = self.pid
+        with contextlib.suppress(OSError):
+            entries = list(Path("/proc").iterdir())
+            for entry in entries:
+                if not entry.name.isdigit():
+                    continue
+                with contextlib.suppress(OSError, IndexError, ValueError):
+                    # After the command name (which may hold spaces and parentheses): state,
+                    # then the parent's pid.
+                    fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                    if int(fields[1]) == parent:
+                        children.add(int(entry.name))
+        return children
+
+
+class CeleryBeat(CeleryProcess):
+    """A real ``celery -A <app> beat`` keeping its schedule state in ``schedule_file``.
+
+    How often it checks the schedule is the app's ``beat_max_loop_interval``.
+
+    Args:
+        app: what ``celery -A`` takes (see :class:`CeleryProcess`).
+        schedule_file: the ``-s`` file (give each beat its own).
+        loglevel: ``--loglevel``.
+        arguments: more ``celery beat`` options, placed after these (``-S`` for a scheduler).
+        settings: Celery settings applied on top of the app's (see :class:`CeleryProcess`).
+        **options: the options of :class:`ManagedProcess`; the label is ``beat``.
+    """
+
+    def __init__(
+        self,
+        app: str,
+        schedule_file: str | os.PathLike[str],
+        *,
+        loglevel: str = "INFO",
+        arguments: Sequence[str] = (),
+        settings: Mapping[str, Any] | None = None,
+        environment: Mapping[str, str] | None = None,
+        inherit_environment: bool = True,
+        python_path: Sequence[str | os.PathLike[str]] = (),
+        working_directory: str | os.PathLike[str] | None = None,
+        log_path: str | os.PathLike[str] | None = None,
+        label: str | None = None,
+    ) -> None:
+        if isinstance(arguments, str):
+            raise TypeError("arguments must be a sequence of arguments, not one string")
+        super().__init__(
+            app,
+            ["beat", "-s", os.fspath(schedule_file), "--loglevel", loglevel, *arguments],
+            settings=settings,
+            environment=environment,
+            inherit_environment=inherit_environment,
+            python_path=python_path,
+            working_directory=working_directory,
+            log_path=log_path,
+            label=label,
+        )
+
+
+def wait_for_workers(app: Celery, workers: Iterable[CeleryWorker], timeout: float = 60.0) -> None:
+    """Return once every one of ``workers`` answers ``app.control.ping`` (``app``: any app on
+    their broker). One ping goes to all the workers still silent, and returns as soon as they
+    all reply (or after half a second); there is no sleep between pings.
+
+    Raises:
+        ProcessExitedError: a worker exited meanwhile.
+        WorkerNotReadyError: some did not answer within ``timeout`` seconds; the message has the
+            end of their logs.
+    """
+    silent = {worker.hostname: worker for worker in workers}
+    deadline = time.monotonic() + timeout
+    while silent:
+        for worker in silent.values():
+            worker.check_alive()
+        replies = app.control.ping(destination=list(silent), timeout=_PING_TIMEOUT) or []
+        for reply in replies:
+            for hostname in reply:
+                silent.pop(hostname, None)
+        if silent and time.monotonic() >= deadline:
+            logs = "\n".join(
+                f"--- {worker.hostname} ({worker.log_path}) ---\n"
+                f"{worker.log_tail() or '(log is empty)'}"
+                for worker in silent.values()
+            )
+            raise WorkerNotReadyError(
+                f"workers {sorted(silent)} did not answer ping within {timeout} s\n{logs}"
+            )

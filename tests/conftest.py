@@ -14,6 +14,7 @@ import pytest
 # configuration uses `memory://` as broker and `cache+memory://` as result back-end, so
 # nothing here touches Docker unless a test asks for pytest-celery's container fixtures.
 from celery.contrib.pytest import celery_worker  # noqa: F401
+from redlock_support import collect_results_while_the_broker_is_up
 
 from celery_redlock.testing import RedisNodes
 
@@ -37,6 +38,7 @@ def redis_nodes() -> Iterator[MakeRedisNodes]:
     try:
         yield make
     finally:
+        collect_results_while_the_broker_is_up()
         errors: list[BaseException] = []
         for nodes in made:
             try:

@@ -4,9 +4,13 @@ fixtures of tests/conftest.py)."""
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable, Iterable
 from typing import Protocol
+
+import kombu
+import pytest
 
 from celery_redlock.testing import RedisServer
 
@@ -37,6 +41,25 @@ def wait_until(
         if time.monotonic() >= deadline:
             return False
         time.sleep(interval)
+
+
+KOMBU_VERSION = tuple(int(part) for part in kombu.__version__.split(".")[:2])
+
+requires_prompt_redelivery = pytest.mark.skipif(
+    KOMBU_VERSION < (5, 7),
+    reason="kombu before 5.7 restores unacknowledged Redis messages every 10 s at best "
+    "(no unacked_restore_interval): redelivery tests would take minutes",
+)
+"""Marks tests that need the Redis transport to redeliver past visibility_timeout promptly."""
+
+
+def collect_results_while_the_broker_is_up() -> None:
+    """Run the finalizers of results a test left behind now, while their servers still run.
+
+    A Celery ``AsyncResult`` unsubscribes from its Redis back-end when it is garbage collected;
+    collected after its server stopped, it retries for 20 s in whatever test runs then.
+    """
+    gc.collect()
 
 
 def value_on(server: RedisServer, key: str) -> str | None:

@@ -1,10 +1,12 @@
 """Real ``celery worker`` and ``celery beat`` subprocesses for tests/test_beat.py,
-tests/test_fleet.py and tests/test_celery_prefork.py, the apps they load, and the records their
-task bodies write.
+tests/test_fleet.py, tests/test_celery_prefork.py and the other tests of real processes, the apps
+they load, and the records their task bodies write.
 
-Every process starts in a session (and so a process group) of its own, so teardown can SIGKILL
-the whole group: the worker or beat and every prefork child it forked. Output goes to a log file
-shown in assertion messages. Tasks record what they do with `Recorder` into Redis lists on a
+The processes are `celery_redlock.testing`'s (`CeleryProcess`, `CeleryWorker`, `CeleryBeat`,
+`celery_processes`): each starts in a session (and so a process group) of its own, so teardown
+can SIGKILL the whole group, the worker or beat and every prefork child it forked; output goes
+to a log file shown in failure messages. The classes here only run them from ``tests/`` so that
+the apps of `celery_apps` load. Tasks record what they do with `Recorder` into Redis lists on a
 harness node (never the shared Redis on 6379); timestamps are ``time.time()``, which every
 process on this machine shares.
 
@@ -14,24 +16,29 @@ reads the environment `app_environment` gives the processes.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import redis
 from celery import Celery
-from redlock_support import wait_until
 
-from celery_redlock.testing import RedisNodes, RedisServer
+from celery_redlock import testing
+from celery_redlock.testing import RedisNodes, RedisServer, celery_processes
+
+__all__ = [
+    "BeatProcess",
+    "CeleryProcess",
+    "Recorder",
+    "WorkerProcess",
+    "app_environment",
+    "celery_processes",
+    "control_app",
+    "subprocess_app",
+]
 
 TESTS_DIRECTORY = Path(__file__).resolve().parent.parent
 
@@ -73,6 +80,9 @@ def subprocess_app(main: str, **conf: Any) -> Celery:
             "visibility_timeout": float(visibility_timeout),
             "unacked_restore_interval": 1,
             "unacked_restore_throttle": 1,
+            # A worker SIGKILLed while it restores holds kombu's restore mutex until it expires
+            # (300 s by default): every later redelivery on this broker would wait for it.
+            "unacked_mutex_expire": 5,
         }
     app.conf.update(conf)
     return app
@@ -118,88 +128,26 @@ class Recorder:
         return int(self.client.llen(f"record:{stream}"))
 
 
-class CeleryProcess:
-    """``celery -A <app_module> <arguments>`` in a process group of its own, cwd ``tests/``."""
+class CeleryProcess(testing.CeleryProcess):
+    """``celery -A <app_module> <arguments>`` (`celery_redlock.testing.CeleryProcess`) with
+    ``tests/`` as working directory and first on ``PYTHONPATH``, so the apps of `celery_apps`
+    load; ``environment`` is added to the test process's."""
 
-    def __init__(self, app_module: str, arguments: Sequence[str], environment: dict[str, str]):
-        self.app_module = app_module
-        self.arguments = tuple(arguments)
-        self.environment = environment
-        self.process: subprocess.Popen[bytes] | None = None
-        label = "-".join(arguments[:1]) or "celery"
-        handle, name = tempfile.mkstemp(prefix=f"celery-redlock-{label}-", suffix=".log")
-        os.close(handle)
-        self.log_path = Path(name)
-
-    def start(self) -> CeleryProcess:
-        """Launch the process (returns at once)."""
-        environment = dict(os.environ)
-        environment.update(self.environment)
-        environment["PYTHONPATH"] = os.pathsep.join(
-            [str(TESTS_DIRECTORY), environment.get("PYTHONPATH", "")]
-        ).rstrip(os.pathsep)
-        command = [sys.executable, "-m", "celery", "-A", self.app_module, *self.arguments]
-        with self.log_path.open("wb") as log:
-            self.process = subprocess.Popen(
-                command,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=environment,
-                cwd=str(TESTS_DIRECTORY),
-                start_new_session=True,
-            )
-        return self
-
-    @property
-    def pid(self) -> int:
-        """The main process id."""
-        assert self.process is not None, "not started"
-        return self.process.pid
-
-    def check_alive(self) -> None:
-        """Fail the test with the log when the process has exited."""
-        assert self.process is not None, "not started"
-        if self.process.poll() is not None:
-            raise AssertionError(
-                f"{' '.join(self.arguments[:1])} process exited with {self.process.returncode}:"
-                f"\n{self.log_tail()}"
-            )
-
-    def log_tail(self, lines: int = 60) -> str:
-        """The end of the process's output."""
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError:
-            return "(no log)"
-        return "\n".join(text.splitlines()[-lines:])
-
-    def log_text(self) -> str:
-        """The whole output so far."""
-        try:
-            return self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
-
-    def kill(self) -> None:
-        """SIGKILL the whole process group (the process and its children) and reap it."""
-        process = self.process
-        if process is None:
-            return
-        # The group is the process's own (start_new_session): its pid is the group id.
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(process.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            process.wait(10)
-
-    def remove_log(self) -> None:
-        """Delete the log file."""
-        with contextlib.suppress(OSError):
-            self.log_path.unlink()
+    def __init__(
+        self, app_module: str, arguments: Sequence[str], environment: dict[str, str]
+    ) -> None:
+        super().__init__(
+            app_module,
+            arguments,
+            environment=environment,
+            python_path=[TESTS_DIRECTORY],
+            working_directory=TESTS_DIRECTORY,
+        )
 
 
-class WorkerProcess(CeleryProcess):
-    """A real prefork ``celery worker`` named ``name@<host>``."""
+class WorkerProcess(testing.CeleryWorker):
+    """A real prefork ``celery worker`` named ``name@<host>`` (`celery_redlock.testing.
+    CeleryWorker`, ``-O fair``), run from ``tests/`` like `CeleryProcess`."""
 
     def __init__(
         self,
@@ -209,87 +157,30 @@ class WorkerProcess(CeleryProcess):
         concurrency: int = 2,
         extra_arguments: Sequence[str] = (),
     ) -> None:
-        self.hostname = f"{name}@{socket.gethostname()}"
         super().__init__(
             app_module,
-            [
-                "worker",
-                "-P",
-                "prefork",
-                "-c",
-                str(concurrency),
-                "-n",
-                self.hostname,
-                "--loglevel",
-                "INFO",
-                "--without-heartbeat",
-                "--without-mingle",
-                "--without-gossip",
-                "-O",
-                "fair",
-                *extra_arguments,
-            ],
-            environment,
-        )
-
-    def wait_ready(self, app: Celery, timeout: float = 60.0) -> None:
-        """Wait until the worker answers ``app.control.ping`` (fail with its log otherwise)."""
-
-        def answers() -> bool:
-            replies = app.control.ping(destination=[self.hostname], timeout=0.5)
-            return any(self.hostname in reply for reply in replies)
-
-        # The ping itself waits up to 0.5 s for replies: no sleep between two pings.
-        if not wait_until(answers, timeout, interval=0, alive=[self]):
-            raise AssertionError(f"worker {self.hostname} never answered ping:\n{self.log_tail()}")
-
-    def child_pids(self) -> set[int]:
-        """Process ids of the worker's pool children (from /proc)."""
-        children: set[int] = set()
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            with contextlib.suppress(OSError, IndexError, ValueError):
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-                if int(fields[1]) == self.pid:  # fields[1] is the parent pid
-                    children.add(int(entry.name))
-        return children
-
-
-class BeatProcess(CeleryProcess):
-    """A real ``celery beat`` keeping its schedule in ``schedule_file``."""
-
-    def __init__(
-        self,
-        app_module: str,
-        schedule_file: Path,
-        environment: dict[str, str],
-    ) -> None:
-        # The longest sleep between two schedule checks is the app's beat_max_loop_interval
-        # (``--max-interval`` only takes whole seconds).
-        super().__init__(
-            app_module,
-            ["beat", "-s", str(schedule_file), "--loglevel", "INFO"],
-            environment,
+            name,
+            concurrency=concurrency,
+            arguments=["-O", "fair", *extra_arguments],
+            environment=environment,
+            python_path=[TESTS_DIRECTORY],
+            working_directory=TESTS_DIRECTORY,
         )
 
 
-@contextlib.contextmanager
-def celery_processes() -> Iterator[list[CeleryProcess]]:
-    """A list to put started processes in; every one is killed (group and all) at exit.
+class BeatProcess(testing.CeleryBeat):
+    """A real ``celery beat`` keeping its schedule in ``schedule_file`` (`celery_redlock.testing.
+    CeleryBeat`), run from ``tests/`` like `CeleryProcess`.
 
-    Logs are kept when the block fails, so they can be read after the test.
+    The longest sleep between two schedule checks is the app's beat_max_loop_interval
+    (``--max-interval`` only takes whole seconds).
     """
-    processes: list[CeleryProcess] = []
-    failed = False
-    try:
-        yield processes
-    except BaseException:
-        failed = True
-        raise
-    finally:
-        for process in reversed(processes):
-            process.kill()
-        if not failed:
-            for process in processes:
-                process.remove_log()
+
+    def __init__(self, app_module: str, schedule_file: Path, environment: dict[str, str]) -> None:
+        super().__init__(
+            app_module,
+            schedule_file,
+            environment=environment,
+            python_path=[TESTS_DIRECTORY],
+            working_directory=TESTS_DIRECTORY,
+        )

@@ -26,6 +26,7 @@ from typing import Any
 
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
+from kombu.asynchronous import set_event_loop
 from redlock_support import values_on, wait_until
 
 from celery_apps.subprocesses import Recorder
@@ -72,6 +73,11 @@ def make_app(
         task_store_errors_even_if_ignored=True,
         # BRPOP times out every 0.1 s instead of 1 s: the embedded worker stops in ~0.2 s.
         broker_transport_options={"polling_interval": 0.1},
+        # A result collected after its test's server stopped gives up at once (Celery before 5.7
+        # retried 20 times, 1 s apart, in whatever thread collected it).
+        result_backend_transport_options={
+            "retry_policy": {"max_retries": 1, "interval_start": 0, "interval_step": 0.1}
+        },
         # The 50 ms default per-node timeout counts a reply delayed by a busy CI machine as a
         # node failure; these tests are about Celery, not about slow nodes.
         redlock_node_timeout=0.5,
@@ -88,16 +94,21 @@ def embedded_worker(
     app: Celery, pool: str = "threads", concurrency: int = 4, **options: Any
 ) -> Iterator[Any]:
     """Celery's embedded worker thread on ``app`` (tasks must be defined before it starts)."""
-    with start_worker(
-        app,
-        pool=pool,
-        concurrency=concurrency,
-        perform_ping_check=False,
-        loglevel="WARNING",
-        shutdown_timeout=30.0,
-        **options,
-    ) as worker:
-        yield worker
+    try:
+        with start_worker(
+            app,
+            pool=pool,
+            concurrency=concurrency,
+            perform_ping_check=False,
+            loglevel="WARNING",
+            shutdown_timeout=30.0,
+            **options,
+        ) as worker:
+            yield worker
+    finally:
+        # kombu before 5.6 keeps the stopped worker's hub as the process's event loop, and the
+        # next embedded worker's ETA timers never fire on it (celery#9983, kombu#2404).
+        set_event_loop(None)
 
 
 class LockSignals:
@@ -254,11 +265,31 @@ class RunLog(Recorder):
 
 
 FENCE_SUFFIX = ":fence"  # a lock's fencing counter, which outlives its release until its ttl
+COMPLETION_PREFIX = "redlock:done:"  # a task id's completion marker, kept after the run
 
 
 def lock_keys(nodes: RedisNodes) -> list[set[str]]:
-    """The lock keys on each lock node (fencing counters left out)."""
-    return [{key for key in keys if not key.endswith(FENCE_SUFFIX)} for keys in all_keys(nodes)]
+    """The lock keys on each lock node (fencing counters and completion markers left out)."""
+    return [
+        {
+            key
+            for key in keys
+            if not key.endswith(FENCE_SUFFIX) and not key.startswith(COMPLETION_PREFIX)
+        }
+        for keys in all_keys(nodes)
+    ]
+
+
+def completion_markers(nodes: RedisNodes) -> list[dict[str, str]]:
+    """Per lock node, the completion markers: task id -> the last attempt that ran."""
+    markers = []
+    for server in nodes:
+        with server.client(decode_responses=True, socket_timeout=2) as client:
+            keys = list(client.scan_iter(match=COMPLETION_PREFIX + "*"))
+            values = client.mget(keys) if keys else []
+            pairs = zip(keys, values, strict=True)
+            markers.append({key.removeprefix(COMPLETION_PREFIX): value for key, value in pairs})
+    return markers
 
 
 def all_keys(nodes: RedisNodes) -> list[set[str]]:
