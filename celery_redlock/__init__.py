@@ -6,6 +6,7 @@ whole worker fleet; `Redlock` is the lock itself, usable without Celery.
 
 from .errors import (
     ConfigurationError,
+    DuplicateCoalesced,
     DuplicateSkipped,
     LockLost,
     LockNotAcquired,
@@ -19,6 +20,7 @@ from .task import SingletonTask, singleton_task
 
 __all__ = [
     "ConfigurationError",
+    "DuplicateCoalesced",
     "DuplicateSkipped",
     "Lock",
     "LockKeyError",

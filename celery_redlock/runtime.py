@@ -1,4 +1,5 @@
-"""What one Celery app needs at run time: its settings, its `Redlock` and its lock keeper.
+"""What one Celery app needs at run time — its settings, its `Redlock` and its lock keeper — and
+the lock state of one task run, from the moment its token exists to its release.
 
 Created on first use in each app and kept on the app object; connections inside open lazily in
 the process that uses them, so a prefork parent never shares sockets with its children.
@@ -6,34 +7,43 @@ the process that uses them, so a prefork parent never shares sockets with its ch
 
 from __future__ import annotations
 
-import json
-import os
-import socket
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
 
-from .extension import KeptLock, LockKeeper
-from .redlock import Lock, Redlock
+from celery import states
+from redis.exceptions import RedisError as RedisClientError
+
+from . import events, signals
+from .errors import RedlockError
+from .keeper import KeptLock, LockKeeper
+from .redlock import CompletionMarker, Lock, Redlock, even_node_warning
 from .settings import RedlockSettings
 
+logger = logging.getLogger(__name__)
+
 RUNTIME_ATTRIBUTE = "_celery_redlock_runtime"
+RUN_ATTRIBUTE = "celery_redlock_run"
+"""The task request attribute holding the current run's `RunLock`."""
+
+# A body that ended in one of these ran: a redelivered copy of the same attempt must not run.
+# REJECTED is not among them: a rejected message may be queued again, and must then run.
+COMPLETED_STATES = frozenset({states.SUCCESS, states.FAILURE, states.RETRY, states.IGNORED})
 
 
-@dataclass(eq=False)
-class HeldLock:
-    """The lock of one task run, as the release handler needs it."""
+@dataclass(eq=False, slots=True)
+class RunLock:
+    """The lock of one task run. Until ``kept`` is set the acquisition is under way: its token is
+    known but the lock may or may not be held, and a clean-up releases it by that token."""
 
     runtime: AppRuntime
-    kept: KeptLock
+    lock: Lock
     task_id: str | None
     hold: float
+    completion: CompletionMarker | None
     started: float
-
-    @property
-    def lock(self) -> Lock:
-        """The lock itself."""
-        return self.kept.lock
+    kept: KeptLock | None = None
 
 
 class AppRuntime:
@@ -41,15 +51,9 @@ class AppRuntime:
 
     def __init__(self, settings: RedlockSettings) -> None:
         self.settings = settings
-        self.redlock = Redlock(
-            settings.urls,
-            retry_count=settings.retry_count,
-            retry_delay=settings.retry_delay,
-            clock_drift_factor=settings.clock_drift_factor,
-            node_timeout=settings.node_timeout,
-            key_prefix=settings.key_prefix,
-        )
+        self.redlock = Redlock.from_settings(settings)
         self.keeper = LockKeeper(self.redlock)
+        self._nodes_checked = False
 
     @classmethod
     def for_app(cls, app: Any) -> AppRuntime:
@@ -61,56 +65,74 @@ class AppRuntime:
             )
         return runtime  # type: ignore[no-any-return]
 
-    def release(self, held: HeldLock, state: str) -> bool:
-        """End a run's lock: release it, or keep it ``hold`` more seconds (never on RETRY)."""
-        self.keeper.stop(held.kept)
-        if held.kept.is_lost:
-            return False
-        if held.hold > 0 and state != "RETRY":
-            self.redlock.extend(held.lock, held.hold)
-            return False
-        return self.redlock.release(held.lock)
+    def check_nodes(self) -> None:
+        """Once per app and process: warn about an even node count and nodes that do not
+        answer (a worker starts anyway: locks work while a majority answers)."""
+        if self._nodes_checked:
+            return
+        self._nodes_checked = True
+        nodes = self.redlock.nodes
+        warning = even_node_warning(len(nodes))
+        if warning:
+            logger.warning(warning)
+        for node in nodes:
+            client = node.client(timeout=max(self.settings.node_timeout, 1.0))
+            try:
+                client.ping()
+            except (RedisClientError, OSError) as error:
+                logger.warning(
+                    "lock node %s does not answer at worker start (%s); singleton tasks work "
+                    "while a majority of the %d lock nodes answer",
+                    node.name,
+                    error,
+                    len(nodes),
+                )
+            finally:
+                client.close()
 
-
-def owner_text(task_name: str, task_id: str | None, retries: int, queued: bool = False) -> str:
-    """Who holds a lock, stored beside the token: task, id, attempt, host and process.
-
-    ``queued`` marks the lock `SingletonTask.apply_async` takes with ``lock_on_enqueue``; the run
-    of that task id takes it over (see `queued_fragment`).
-    """
-    owner: dict[str, Any] = {"task": task_name, "id": task_id}
-    if queued:
-        owner["queued"] = True
-    owner |= {
-        "retries": retries,
-        "host": socket.gethostname(),
-        "pid": os.getpid(),
-        "since": round(time.time(), 3),
-    }
-    # '|' separates token and owner on the nodes; JSON may spell it as an escape instead.
-    return json.dumps(owner, separators=(",", ":")).replace("|", "\\u007c")
-
-
-def queued_fragment(task_id: str) -> str:
-    """The part of `owner_text` that identifies the enqueue-time lock of ``task_id``."""
-    return json.dumps({"id": task_id, "queued": True}, separators=(",", ":"))[1:-1]
-
-
-def parse_owner(text: str | None) -> dict[str, Any]:
-    """The owner description stored with a lock, or {} when there is none or it is not ours."""
-    if not text:
-        return {}
-    try:
-        owner = json.loads(text)
-    except ValueError:
-        return {}
-    return owner if isinstance(owner, dict) else {}
-
-
-def describe_owner(owner: dict[str, Any]) -> str:
-    """A short human description of a lock owner, for logs and errors."""
-    if not owner:
-        return "an unknown owner"
-    return (
-        f"task {owner.get('task')}[{owner.get('id')}] on {owner.get('host')} pid {owner.get('pid')}"
-    )
+    def finish(self, task: Any, run: RunLock, state: str) -> bool:
+        """End a run's lock: release it (or keep it ``hold`` more seconds, never on RETRY),
+        record the completion of its attempt when the body ran, and report it. Returns whether
+        a majority confirmed the lock was still held. Safe to call again after an interruption.
+        """
+        kept = run.kept
+        if kept is not None:
+            self.keeper.stop(kept)
+        body_ran = kept is not None and state in COMPLETED_STATES
+        reported = kept is not None and events.listening(task, signals.lock_released)
+        released = False
+        try:
+            # Sent even for a lock known to be lost: copies may still be on some nodes. Only a
+            # receiver of lock_released (or a monitor) needs the answer; otherwise the run does
+            # not wait for it (the next command this thread sends a node runs after it).
+            released = self.redlock.release(
+                run.lock,
+                hold=run.hold if state != states.RETRY else 0.0,
+                completion=run.completion if body_ran else None,
+                confirm=reported,
+            )
+        except RedlockError as error:
+            logger.warning(
+                "releasing lock %s failed (it expires by itself): %s", run.lock.key, error
+            )
+        if kept is None:
+            return released
+        if kept.is_lost:
+            logger.error(
+                "task %s[%s] finished after losing its lock %s (%s)",
+                task.name,
+                run.task_id,
+                run.lock.key,
+                kept.lost_reason,
+            )
+        if reported:
+            events.report(
+                task,
+                signals.lock_released,
+                run.task_id,
+                key=run.lock.key,
+                state=state,
+                held=time.monotonic() - run.started,
+                released=released and not (run.hold and state != states.RETRY),
+            )
+        return released

@@ -1,99 +1,104 @@
-"""Where celery_redlock hooks into the worker: release after every run, clean up after lost
-processes.
+"""Where celery_redlock hooks into the worker besides the task's own ``__call__``.
 
-- ``task_postrun`` fires for every outcome (success, failure, retry, ignore, reject), unlike
-  ``Task.after_return``; it releases the run's lock (or keeps it ``lock_hold`` seconds).
-- When a prefork child is killed, times out hard or is terminated by ``revoke(terminate=True)``,
-  its own code never runs again: `LockAwareRequest`, in the worker's main process, frees the
-  lock by the task id stored with it.
-- ``worker_ready`` checks the settings and warns about lock nodes that do not answer.
+- ``task_postrun`` fires for every outcome; its handler releases whatever a run left registered
+  on its request: an acquisition interrupted between sending and deciding (a soft time limit, a
+  signal), or a release interrupted itself. Normally a run has released the moment its body ended.
+- `LockAwareRequest`, in the worker's main process: when the pool process running a singleton
+  task is lost — killed (SIGKILL, OOM), terminated by ``revoke(terminate=True)``, or stopped at
+  its hard time limit — its own code never runs again, so the main process frees that process's
+  lock, by owner, once the process is gone and never before.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import select
+import socket
+import threading
 import time
+import weakref
 from typing import Any
 
 from billiard.exceptions import Terminated, WorkerLostError
 from celery import signals as celery_signals
+from celery import states
+from celery.bootsteps import CLOSE, RUN, TERMINATE
 from celery.worker.request import Request
-from redis.exceptions import RedisError as RedisClientError
 
-from . import signals
-from .errors import RedlockError
-from .keys import resource_for_call
-from .runtime import AppRuntime, HeldLock
+from .events import remember_worker
+from .owner import run_prefix
+from .runtime import RUN_ATTRIBUTE, AppRuntime, RunLock
 
 logger = logging.getLogger(__name__)
 
 # How the main process learns that the process running a task is gone.
-PROCESS_LOST_ERRORS = (WorkerLostError, Terminated, SystemExit, KeyboardInterrupt)
-
-HELD_ATTRIBUTE = "celery_redlock_held"
+PROCESS_LOST_ERRORS = (WorkerLostError, Terminated)
 
 
-def _is_singleton(task: Any) -> bool:
-    return hasattr(task, "_lock_plan") and hasattr(task, "_signature")
-
-
-def release_after_run(sender: Any = None, task: Any = None, state: str = "", **_: Any) -> None:
-    """Release the lock of the run that just ended, whatever its outcome."""
+def release_leftovers(sender: Any = None, task: Any = None, state: str = "", **_: Any) -> None:
+    """Release what the run that just ended left registered (see the module docstring)."""
     task = task or sender
     request = getattr(task, "request", None)
-    held: HeldLock | None = getattr(request, HELD_ATTRIBUTE, None)
-    if held is None:
+    run: RunLock | None = getattr(request, RUN_ATTRIBUTE, None)
+    if run is None:
         return
-    setattr(request, HELD_ATTRIBUTE, None)
-    released = False
-    try:
-        released = held.runtime.release(held, state)
-    except RedlockError as error:
-        logger.warning("releasing lock %s failed (it expires by itself): %s", held.lock.key, error)
-    if held.kept.is_lost:
-        logger.error(
-            "task %s[%s] finished after losing its lock %s (%s)",
-            task.name,
-            held.task_id,
-            held.lock.key,
-            held.kept.lost_reason,
-        )
-    signals.lock_released.send(
-        sender=task,
-        task_id=held.task_id,
-        key=held.lock.key,
-        state=state,
-        held=time.monotonic() - held.started,
-        released=released,
-    )
+    setattr(request, RUN_ATTRIBUTE, None)
+    run.runtime.finish(task, run, state or states.FAILURE)
 
 
-def _release_for_lost_process(task: Any, task_id: str | None, args: Any, kwargs: Any) -> None:
-    if not _is_singleton(task) or task_id is None:
+def free_lost_run(task: Any, task_id: str | None, args: Any, kwargs: Any, pid: int | None) -> None:
+    """Free the lock a run of ``task_id`` held in process ``pid`` of this host, which is gone.
+
+    Only that process's lock is deleted (matched by task id, process and host), never a later
+    attempt's of the same task id running elsewhere.
+    """
+    if task_id is None or pid is None:
         return
     try:
-        runtime = AppRuntime.for_app(task.app)
-        plan = task._lock_plan(runtime)
-        resource = resource_for_call(
-            task.name, task._signature(), args or (), kwargs or {}, plan.lock_args, plan.lock_key
+        plan = task.lock_plan
+        resource = plan.resource(args or (), kwargs or {})
+        freed = plan.runtime.redlock.release_if_owner(
+            resource, run_prefix(task_id, pid, socket.gethostname())
         )
-        freed = runtime.redlock.release_if_owner_matches(resource, f'"id":"{task_id}"')
-    except (RedlockError, TypeError, ValueError) as error:
+    except Exception as error:  # a lock_key callable can raise anything; Celery must go on
         logger.warning("could not free the lock of lost task %s[%s]: %s", task.name, task_id, error)
         return
     if freed:
         logger.info("freed the lock of task %s[%s], whose process was lost", task.name, task_id)
 
 
+def wait_until_gone(pid: int, timeout: float) -> bool:
+    """Wait up to ``timeout`` seconds for process ``pid`` to end; True once it has."""
+    try:
+        descriptor = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    except (AttributeError, OSError):  # no pidfd (not Linux, old kernel): look every 10 ms
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return True
+            time.sleep(0.01)
+        return False
+    try:
+        poller = select.poll()
+        poller.register(descriptor, select.POLLIN)
+        return bool(poller.poll(timeout * 1000))  # readable once the process has exited
+    finally:
+        os.close(descriptor)
+
+
 class LockAwareRequest(Request):  # type: ignore[misc]
     """The worker's request object for singleton tasks (``SingletonTask.Request``).
 
-    Runs in the worker's main process. When the process running a singleton task is lost — a
-    prefork child killed (SIGKILL, OOM), terminated by ``revoke(terminate=True)``, or stopped at
-    its hard time limit — it frees that run's lock by task id *before* Celery requeues or
-    reports the task, so a requeued copy (``reject_on_worker_lost``) is not mistaken for a
-    redelivered duplicate and nothing waits a full ttl. A custom ``Request`` for a singleton task
-    must subclass this one.
+    Runs in the worker's main process. When the process running a singleton task is lost, it
+    frees that process's lock *before* Celery requeues or reports the task (so a requeued copy
+    with ``reject_on_worker_lost`` runs at once) — and, at a hard time limit, only after the pool
+    has killed the process (Celery calls ``on_timeout`` before it kills it). A custom ``Request``
+    for a singleton task must subclass this one.
     """
 
     def on_failure(
@@ -101,44 +106,71 @@ class LockAwareRequest(Request):  # type: ignore[misc]
     ) -> Any:
         exception = getattr(exc_info, "exception", None)
         exception = getattr(exception, "exc", exception)  # unwrap ExceptionWithTraceback
-        if isinstance(exception, PROCESS_LOST_ERRORS):
-            _release_for_lost_process(self.task, self.id, self.args, self.kwargs)
+        if isinstance(exception, PROCESS_LOST_ERRORS):  # reported after the process exited
+            free_lost_run(self.task, self.id, self.args, self.kwargs, self.worker_pid)
         return super().on_failure(
             exc_info, send_failed_event=send_failed_event, return_ok=return_ok
         )
 
     def on_timeout(self, soft: bool, timeout: float) -> Any:
-        if not soft:
-            _release_for_lost_process(self.task, self.id, self.args, self.kwargs)
+        if not soft and self.worker_pid is not None:
+            task, task_id, args, kwargs, pid = (
+                self.task,
+                self.id,
+                self.args,
+                self.kwargs,
+                self.worker_pid,
+            )
+
+            def free_once_gone() -> None:
+                # Past the lock's ttl the lock is gone anyway (the keeper stopped at the limit).
+                if wait_until_gone(pid, task.lock_plan.ttl):
+                    free_lost_run(task, task_id, args, kwargs, pid)
+                task.lock_plan.runtime.redlock.close_thread_connections()
+
+            threading.Thread(
+                target=free_once_gone, name=f"celery-redlock free {task_id}", daemon=True
+            ).start()
         return super().on_timeout(soft, timeout)
 
 
-def check_lock_nodes(sender: Any = None, **_: Any) -> None:
-    """At worker start: validate the settings and warn about lock nodes that do not answer."""
+def start_reaper(sender: Any = None, **_: Any) -> None:
+    """At worker start (``worker_init``, in the main process): with ``redlock_reap_interval``
+    set, run `celery_redlock.admin.reap` every that many seconds from a daemon thread while the
+    worker runs. Off by default; nothing is read from an app that does not set it."""
     app = getattr(sender, "app", None)
-    if app is None or not any(_is_singleton(task) for task in app.tasks.values()):
+    if app is None or app.conf.get("redlock_reap_interval") is None:
         return
-    runtime = AppRuntime.for_app(app)
-    for node in runtime.redlock.nodes:
-        client = node.client()
-        try:
-            client.ping()
-        except (RedisClientError, OSError) as error:
-            logger.warning(
-                "lock node %s does not answer at worker start (%s); singleton tasks work while "
-                "a majority of the %d lock nodes answer",
-                node.name,
-                error,
-                len(runtime.redlock.nodes),
-            )
-        finally:
-            client.close()
+    interval = AppRuntime.for_app(app).settings.reap_interval
+    assert interval is not None
+    worker = weakref.ref(sender)
+
+    def reap_now_and_then() -> None:
+        from . import admin  # admin imports task, which imports this module
+
+        while True:
+            time.sleep(interval)
+            # A cold shutdown sends no worker_shutdown: the worker's own state tells.
+            state = getattr(getattr(worker(), "blueprint", None), "state", TERMINATE)
+            if state in (CLOSE, TERMINATE):
+                return
+            if state != RUN:
+                continue
+            try:
+                admin.reap(app)
+            except Exception as error:  # the timer must outlive nodes and brokers that fail
+                logger.warning("reaping locks whose holder is gone failed: %s", error)
+
+    threading.Thread(target=reap_now_and_then, name="celery-redlock reaper", daemon=True).start()
 
 
-# The only module-level state of the package: these connections.
+# The only module-level state of the package: these signal connections.
 celery_signals.task_postrun.connect(
-    release_after_run, weak=False, dispatch_uid="celery_redlock.release_after_run"
+    release_leftovers, weak=False, dispatch_uid="celery_redlock.release_leftovers"
 )
-celery_signals.worker_ready.connect(
-    check_lock_nodes, weak=False, dispatch_uid="celery_redlock.check_lock_nodes"
+celery_signals.worker_init.connect(
+    remember_worker, weak=False, dispatch_uid="celery_redlock.remember_worker"
+)
+celery_signals.worker_init.connect(
+    start_reaper, weak=False, dispatch_uid="celery_redlock.start_reaper"
 )

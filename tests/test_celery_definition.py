@@ -217,6 +217,13 @@ BAD_OPTIONS = [
     pytest.param({"lock_hold": -1}, "lock_hold", id="lock_hold"),
     pytest.param({"lock_auto_extend": "yes"}, "lock_auto_extend", id="lock_auto_extend"),
     pytest.param({"lock_key": 42}, "lock_key", id="lock_key"),
+    pytest.param({"lock_key": "acct:{acount_id}"}, "acount_id", id="lock_key-unknown"),
+    pytest.param({"lock_key": "acct:{0}"}, r"\['0'\]", id="lock_key-positional"),
+    pytest.param(
+        {"lock_args": ("account_id",), "lock_key": "acct:{account_id}"},
+        "both lock_args and lock_key",
+        id="lock_args-and-lock_key",
+    ),
 ]
 
 

@@ -299,13 +299,15 @@ def test_losing_a_minority_node_mid_run_keeps_the_lock(
 # -- losing the lock ---------------------------------------------------------------------------
 
 
-def _drop_everywhere(lock_nodes: RedisNodes, key: str) -> None:
+def _take_over_everywhere(lock_nodes: RedisNodes, key: str) -> None:
+    """Another owner's value on every node (a key that is merely missing is set again by the
+    next extension: that is how a node that restarted empty heals)."""
     for server in lock_nodes:
         with server.client() as client:
-            client.delete(key)
+            client.set(key, "another-token|another owner", px=30_000)
 
 
-def test_a_lock_dropped_by_the_nodes_is_reported_lost(
+def test_a_lock_taken_by_another_owner_is_reported_lost(
     broker: RedisServer,
     lock_nodes: RedisNodes,
     run_log: RunLog,
@@ -327,7 +329,7 @@ def test_a_lock_dropped_by_the_nodes_is_reported_lost(
     with caplog.at_level(logging.ERROR, logger="celery_redlock"), embedded_worker(app):
         result = lossy.delay()
         key = run_log.wait_task_started(result.id)["key"]
-        _drop_everywhere(lock_nodes, key)
+        _take_over_everywhere(lock_nodes, key)
         assert result.get(timeout=15) == f"LockLost: {key}"
 
     (lost,) = lock_signals.of("lock_lost", task_id=result.id)
@@ -341,7 +343,7 @@ def test_a_lock_dropped_by_the_nodes_is_reported_lost(
     assert released["released"] is False
 
 
-def test_extend_lock_that_finds_the_lock_gone_raises_and_reports_it(
+def test_extend_lock_that_finds_the_lock_taken_raises_and_reports_it(
     broker: RedisServer,
     lock_nodes: RedisNodes,
     gate: threading.Event,
@@ -365,7 +367,7 @@ def test_extend_lock_that_finds_the_lock_gone_raises_and_reports_it(
     with embedded_worker(app):
         result = by_hand.delay()
         key = run_log.wait_task_started(result.id)["key"]
-        _drop_everywhere(lock_nodes, key)
+        _take_over_everywhere(lock_nodes, key)
         gate.set()
         assert result.get(timeout=10) == "LockLost"
         (lost,) = lock_signals.wait("lock_lost", task_id=result.id, timeout=2)

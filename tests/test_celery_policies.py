@@ -5,6 +5,7 @@ id again while it runs — each with a real embedded worker whose pool runs dupl
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
@@ -216,27 +217,82 @@ def _stop_majority(lock_nodes: RedisNodes) -> None:
     lock_nodes[1].stop()
 
 
-def test_unavailable_retry_waits_for_the_nodes_to_come_back(
+def test_unavailable_retry_waits_for_the_nodes_without_spending_retries(
     broker: RedisServer, lock_nodes: RedisNodes, run_log: RunLog, lock_signals: LockSignals
 ) -> None:
+    # max_retries=0: waiting for the lock nodes through Celery's retry() spent the retry budget,
+    # and the work failed with QuorumUnavailable at the first outage.
     app = make_app(broker, lock_nodes)
     gate = threading.Event()
     gate.set()
-    job = _holding_task(app, run_log, gate, "policy.unavailable_retry", max_retries=10)
+    job = _holding_task(app, run_log, gate, "policy.unavailable_retry", max_retries=0)
+
+    with embedded_worker(app, concurrency=3):
+        for server in lock_nodes:
+            server.stop()
+        results = [job.delay(item) for item in range(3)]
+        for result in results:
+            (event,) = lock_signals.wait("lock_unavailable", task_id=result.id, timeout=10)
+            assert event["policy"] == "retry"
+        time.sleep(2.0)  # the outage lasts a while; nothing runs, nothing fails meanwhile
+        assert run_log.started() == []
+        assert {result.state for result in results} == {"PENDING"}
+        for server in lock_nodes:
+            server.restart()
+        back_at = time.time()
+        entries = [result.get(timeout=20) for result in results]
+
+    assert [entry["retries"] for entry in entries] == [0, 0, 0]
+    assert sorted(run["task_id"] for run in run_log.runs()) == sorted(r.id for r in results)
+    first_start = min(run["start"] for run in run_log.runs())
+    assert first_start - back_at < 1.5, first_start - back_at  # within about a second
+    assert all(key_gone(lock_nodes, entry["key"]) for entry in entries)
+
+
+def test_unavailable_timeout_fails_the_task_loudly(
+    broker: RedisServer,
+    lock_nodes: RedisNodes,
+    run_log: RunLog,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    app = make_app(broker, lock_nodes, redlock_unavailable_timeout=1.0)
+    job = _holding_task(app, run_log, threading.Event(), "policy.unavailable_timeout")
+
+    with caplog.at_level(logging.ERROR, logger="celery_redlock"), embedded_worker(app):
+        _stop_majority(lock_nodes)
+        started = time.monotonic()
+        result = job.delay(1)
+        with pytest.raises(QuorumUnavailable):
+            result.get(timeout=15)
+        assert 1.0 <= time.monotonic() - started < 8
+    assert result.state == "FAILURE"
+    assert run_log.started() == []
+    assert any("redlock_unavailable_timeout" in record.getMessage() for record in caplog.records)
+
+
+def test_a_long_outage_defers_the_message_and_keeps_its_retries(
+    broker: RedisServer, lock_nodes: RedisNodes, run_log: RunLog, lock_signals: LockSignals
+) -> None:
+    # A soft time limit of 2 s bounds the wait in the pool process to 1 s: then the message is
+    # published again (same id, same retries) and this delivery ends, freeing the process.
+    app = make_app(broker, lock_nodes)
+    gate = threading.Event()
+    gate.set()
+    job = _holding_task(
+        app, run_log, gate, "policy.unavailable_defer", max_retries=0, soft_time_limit=2
+    )
 
     with embedded_worker(app, concurrency=2):
         _stop_majority(lock_nodes)
         result = job.delay(1)
-        events = lock_signals.wait("lock_unavailable", 2, timeout=15, task_id=result.id)
-        assert {event["policy"] for event in events} == {"retry"}
-        assert run_log.started() == []  # the body never ran without its lock
+        lock_signals.wait("lock_unavailable", 3, task_id=result.id, timeout=15)  # 3 deliveries
+        assert run_log.started() == []
         lock_nodes[0].restart()
         lock_nodes[1].restart()
-        entry = result.get(timeout=30)
+        entry = result.get(timeout=20)
 
-    assert entry["retries"] >= 2
+    assert entry["id"] == result.id and entry["retries"] == 0
     assert [run["task_id"] for run in run_log.runs()] == [result.id]
-    assert key_gone(lock_nodes, entry["key"])
 
 
 def test_unavailable_raise_fails_with_quorum_unavailable(

@@ -26,7 +26,11 @@ from celery_apps.subprocesses import (
     control_app,
 )
 from celery_apps.support import LOCK_EVENTS, RunLog, key_gone, key_held
-from redlock_support import wait_until
+from redlock_support import (
+    collect_results_while_the_broker_is_up,
+    requires_prompt_redelivery,
+    wait_until,
+)
 
 from celery_redlock.testing import RedisNodes, RedisServer
 
@@ -52,8 +56,20 @@ class Fleet:
 
 @pytest.fixture(scope="module")
 def fleet() -> Iterator[Fleet]:
+    """The fleet whose broker redelivers an unacknowledged message after 2 s."""
+    yield from _fleet(CRL_VISIBILITY_TIMEOUT="2")
+
+
+@pytest.fixture(scope="module")
+def patient_fleet() -> Iterator[Fleet]:
+    """A fleet whose broker keeps the default visibility timeout (one hour): a message comes
+    back only when a worker rejects it."""
+    yield from _fleet()
+
+
+def _fleet(**environment_extra: str) -> Iterator[Fleet]:
     with RedisServer() as broker, RedisNodes(3) as nodes, celery_processes() as processes:
-        environment = app_environment(broker, nodes, CRL_VISIBILITY_TIMEOUT="2")
+        environment = app_environment(broker, nodes, **environment_extra)
         client_app = control_app(broker, result_backend=broker.url)
         workers = [
             WorkerProcess("celery_apps.prefork_app", name, environment, concurrency=2)
@@ -68,6 +84,7 @@ def fleet() -> Iterator[Fleet]:
             yield Fleet(broker, nodes, client_app, log, workers)
             log.assert_no_overlap()
         finally:
+            collect_results_while_the_broker_is_up()
             client_app.close()
 
 
@@ -114,6 +131,7 @@ def test_sigkilled_child_lock_is_freed_by_the_main_process(fleet: Fleet) -> None
     assert again.get(timeout=15)["key"] == key
 
 
+@requires_prompt_redelivery
 def test_acks_late_redelivery_past_visibility_timeout_runs_once(fleet: Fleet) -> None:
     # visibility_timeout is 2 s and the task runs 6 s: the broker hands the same message (same
     # task id, same retries) to a worker again while the first copy still runs.
@@ -128,6 +146,20 @@ def test_acks_late_redelivery_past_visibility_timeout_runs_once(fleet: Fleet) ->
         if event["task_id"] == result.id and event["policy"] == "redelivered"
     ]
     assert redelivered, f"no redelivery happened: {fleet.lock_events()}\n{fleet.logs()}"
+
+    # The copy was deferred, not dropped: it comes back once the lock is gone and is then
+    # acknowledged as completed, leaving nothing on the broker.
+    def settled() -> bool:
+        policies = {
+            event["policy"] for event in fleet.lock_events() if event["task_id"] == result.id
+        }
+        with fleet.broker.client() as client:
+            empty = client.llen("celery") == 0 and client.hlen("unacked") == 0
+        return "completed" in policies and empty
+
+    assert wait_until(settled, timeout=20), fleet.lock_events()
+    policies = {event["policy"] for event in fleet.lock_events() if event["task_id"] == result.id}
+    assert policies <= {"redelivered", "completed"}, policies
     runs = [run for run in fleet.log.runs(key) if run["task_id"] == result.id]
     assert len(runs) == 1, runs
     assert len([s for s in fleet.log.started(key) if s["task_id"] == result.id]) == 1
@@ -146,15 +178,20 @@ def test_hard_time_limit_frees_the_lock_when_the_child_is_killed(fleet: Fleet) -
     assert time.time() - started["start"] < 10 < LOCK_TTL
 
 
-def test_a_killed_child_with_reject_on_worker_lost_runs_again(fleet: Fleet) -> None:
+def test_a_killed_child_with_reject_on_worker_lost_runs_again(patient_fleet: Fleet) -> None:
     # acks_late + reject_on_worker_lost: Celery puts the message of a killed child back on the
     # queue (same task id, same retries) and sends no task_failure. That delivery is not a
     # duplicate of a running copy: its first copy is dead, and the task must run again (the
     # dead child's lock once made it look like a redelivery, and the task was dropped).
+    # The patient fleet: with a 2 s visibility timeout the broker could hand the message to the
+    # other worker before the main process notices the dead child (its pool check runs every 5 s
+    # when the process sentinel is missed), and that copy is rightly deferred for the lock's ttl.
+    fleet = patient_fleet
     result = _send(fleet, "requeued_sleeper", "requeued-key", 20)
     started = fleet.log.wait_task_started(result.id, timeout=15)
     os.kill(started["pid"], signal.SIGKILL)
     fleet.log.mark_ended(started, time.time())  # the killed child can no longer record it
-    entry = result.get(timeout=6)  # freed by the main process, it runs again at once
+    # Freed by the main process as soon as it notices the loss, it runs again at once.
+    entry = result.get(timeout=10)
     assert entry["task_id"] == result.id
     assert entry["pid"] != started["pid"]

@@ -95,16 +95,12 @@ def _fleet_task(name: str, lock_ttl: float, **options: Any) -> Task:
 work = _fleet_task("fleet.work", FLEET_TTL)
 # The same with a long lock ttl (the run whose pool child the test kills).
 long_work = _fleet_task("fleet.long_work", LONG_TTL)
-# A long ``acks_late`` task: outlives the broker's visibility_timeout.
-slow_acks_late = _fleet_task("fleet.slow_acks_late", 10, acks_late=True)
-# ``acks_late`` + ``reject_on_worker_lost``: requeued when its pool child is killed.
-requeued_when_lost = _fleet_task(
-    "fleet.requeued_when_lost", 10, acks_late=True, reject_on_worker_lost=True
-)
 
 
 @signals.task_prerun.connect
 def _record_delivery(sender: Any = None, task_id: str | None = None, **_: Any) -> None:
+    if getattr(sender, "app", None) is not app:  # connected in the test process too
+        return
     request = sender.request
     delivery_info = getattr(request, "delivery_info", None) or {}
     recorder.add(
@@ -122,6 +118,8 @@ def _record_delivery(sender: Any = None, task_id: str | None = None, **_: Any) -
 def _record_duplicate(
     sender: Any = None, task_id: str | None = None, policy: str = "", **_: Any
 ) -> None:
+    if getattr(sender, "app", None) is not app:  # connected in the test process too
+        return
     recorder.add("duplicates", task=sender.name, id=task_id, policy=policy, at=time.time())
 
 
@@ -129,4 +127,6 @@ def _record_duplicate(
 def _record_unavailable(
     sender: Any = None, task_id: str | None = None, policy: str = "", **_: Any
 ) -> None:
+    if getattr(sender, "app", None) is not app:  # connected in the test process too
+        return
     recorder.add("unavailable", task=sender.name, id=task_id, policy=policy, at=time.time())

@@ -61,4 +61,6 @@ def _record(kind: str, **fields: Any) -> None:
 
 @signals.lock_duplicate.connect(weak=False)
 def _on_duplicate(sender: Any = None, **fields: Any) -> None:
+    if getattr(sender, "app", None) is not app:  # connected in the test process too
+        return
     _record("lock_duplicate", task=getattr(sender, "name", None), **fields)

@@ -1,4 +1,4 @@
-"""Keeping locks alive while task bodies run: one extension thread per process.
+"""The lock keeper: extends the locks of running task bodies from one thread per process and app.
 
 Every held lock is extended when a third of its validity has passed, never past the run's hard
 time limit. When an extension fails for good — a majority says the token is gone, or no quorum
@@ -24,7 +24,7 @@ from .redlock import Lock, Redlock
 logger = logging.getLogger(__name__)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class KeptLock:
     """A lock under the keeper's care, with why it was lost if it was."""
 
@@ -49,10 +49,20 @@ class LockKeeper:
         self.redlock = redlock
         self._queue: list[tuple[float, int, KeptLock]] = []
         self._order = itertools.count()
-        self._wakeup = threading.Condition()
+        self._wakeup = threading.Condition(threading.Lock())
         self._thread: threading.Thread | None = None
-        self._pid = 0
+        self._pid = os.getpid()
         self._stopped_in_queue = 0
+
+    def _this_process(self) -> None:
+        """Start afresh in a forked child: the parent's thread is not there, and its condition
+        may have been held by that thread at the fork."""
+        if self._pid != os.getpid():
+            self._wakeup = threading.Condition(threading.Lock())
+            self._queue = []
+            self._thread = None
+            self._stopped_in_queue = 0
+            self._pid = os.getpid()
 
     def keep(
         self,
@@ -71,6 +81,7 @@ class LockKeeper:
         """Stop extending; returns after any extension in flight has finished."""
         with kept.guard:
             kept.stopped = True
+        self._this_process()
         with self._wakeup:
             # Short runs stop long before their first extension is due: drop their entries in
             # bulk, or the thread wakes up once per finished run, a third of a ttl later.
@@ -95,11 +106,9 @@ class LockKeeper:
 
     def _schedule(self, kept: KeptLock, when: float) -> None:
         kept.next_at = when
+        self._this_process()
         with self._wakeup:
-            if self._thread is None or self._pid != os.getpid() or not self._thread.is_alive():
-                # First use in this process (threads do not survive a fork).
-                self._queue = []
-                self._pid = os.getpid()
+            if self._thread is None:  # its loop never ends; a fork leaves it behind (above)
                 self._thread = threading.Thread(
                     target=self._run, name="celery-redlock-keeper", daemon=True
                 )

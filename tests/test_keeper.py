@@ -7,9 +7,10 @@ import threading
 import time
 
 import pytest
+from redlock_support import wait_until
 
 from celery_redlock import Redlock
-from celery_redlock.extension import KeptLock, LockKeeper
+from celery_redlock.keeper import KeptLock, LockKeeper
 from celery_redlock.testing import RedisNodes
 
 
@@ -41,7 +42,7 @@ def test_extension_stops_at_the_hard_time_limit_and_the_keeper_goes_on(
     assert crashes == []
 
 
-def test_a_lock_deleted_behind_the_keepers_back_is_reported_lost(one_node: RedisNodes) -> None:
+def test_a_lock_taken_over_behind_the_keepers_back_is_reported_lost(one_node: RedisNodes) -> None:
     redlock = Redlock(one_node.urls, node_timeout=0.1)
     keeper = LockKeeper(redlock)
     reported = threading.Event()
@@ -55,6 +56,24 @@ def test_a_lock_deleted_behind_the_keepers_back_is_reported_lost(one_node: Redis
     assert lock is not None
     kept = keeper.keep(lock, on_lost)
     with one_node[0].client() as client:
-        client.delete(lock.key)
+        client.set(lock.key, "another-token|another owner", px=5000)
     assert reported.wait(2.0)
     assert kept.is_lost and "no longer hold its token" in reasons[0]
+
+
+def test_a_lock_deleted_behind_the_keepers_back_is_set_again(one_node: RedisNodes) -> None:
+    # What a node that restarted empty looks like: the key is missing. The next extension
+    # sets it again (the lock is still valid by the holder's clock), and nothing is lost.
+    redlock = Redlock(one_node.urls, node_timeout=0.1)
+    keeper = LockKeeper(redlock)
+    lost: list[str] = []
+    lock = redlock.acquire("deleted", ttl=0.9)
+    assert lock is not None
+    kept = keeper.keep(lock, lambda kept: lost.append(kept.lost_reason))
+    with one_node[0].client(decode_responses=True) as client:
+        client.delete(lock.key)
+        assert wait_until(lambda: client.get(lock.key) == lock.value, timeout=2.0)
+        assert 0 < client.pttl(lock.key) <= 900
+    keeper.stop(kept)
+    assert not kept.is_lost and lost == []
+    assert redlock.release(lock) is True
