@@ -129,9 +129,13 @@ def fast_unheld() -> None:
 @signals.task_prerun.connect
 def _record_delivery(sender: Any = None, task_id: str | None = None, **_: Any) -> None:
     """Every message a worker starts on, before the lock is even tried."""
+    if getattr(sender, "app", None) is not app:  # connected in the test process too
+        return
     recorder.add("deliveries", task=getattr(sender, "name", None), id=task_id, at=time.time())
 
 
 @lock_signals.lock_duplicate.connect
 def _record_duplicate(sender: Any = None, policy: str = "", **_: Any) -> None:
+    if getattr(sender, "app", None) is not app:  # connected in the test process too
+        return
     recorder.add("duplicates", task=getattr(sender, "name", None), policy=policy, at=time.time())
