@@ -7,9 +7,11 @@
 2. Fleet: ``celery worker`` subprocesses (prefork) and ``celery beat``, each in its own process
    group; ready once every worker answers ``app.control.ping``.
 3. Flood: the plan of `example_project.traffic`, with live progress per key every second.
-4. Drain: beat stops, the demo waits until every submitted task finished, workers stop.
-5. Verdict: overlapping runs per key (must be 0, else exit status 1), a summary and the timeline
-   picture. Ctrl-C at any point stops every process the demo started (exit status 130).
+4. Drain: beat stops, the demo waits until every message was consumed (retries and the copies
+   celery_redlock publishes again included), workers stop.
+5. Verdict: overlapping runs per key (must be 0, else exit status 1), a summary (with the runs
+   per burst of the coalescing keys) and the timeline picture. Ctrl-C at any point stops every
+   process the demo started (exit status 130).
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--workers", type=int, default=3, help="worker processes (default: 3)")
     parser.add_argument(
-        "--concurrency", type=int, default=2, help="prefork children per worker (default: 2)"
+        "--concurrency", type=int, default=4, help="prefork children per worker (default: 4)"
     )
     parser.add_argument(
         "--lock-nodes",
@@ -349,8 +351,9 @@ class Demo:
                 total = self.tally.totals()
                 self._say(
                     f"[{phase}] submitted {total.submitted}, ran {total.ran}, skipped "
-                    f"{total.skipped}, retried {total.retried}, waited {total.waited}, running "
-                    f"{len(total.running)}, overlaps {overlaps}"
+                    f"{total.skipped}, retried {total.retried}, waited {total.waited}, "
+                    f"coalesced {total.coalesced}, running {len(total.running)}, "
+                    f"overlaps {overlaps}"
                 )
             return
         lines = [f"celery_redlock demo - {phase} - overlapping runs so far: {overlaps}"]
@@ -409,9 +412,11 @@ class Demo:
             f"retried:    {total.retried} retries of {retried} messages; "
             f"{retried_ran} of them ran later, after the holder released"
         )
+        waits = sum(1 for duplicate in tally.duplicates if duplicate.policy == "wait")
         median = tally.median_wait()
         waited = f"; woken a median {median:.1f} s later by the release" if median else ""
-        print(f"waited:     {total.waited} duplicates blocked on the lock{waited}, then ran")
+        print(f"waited:     {waits} duplicates blocked on the lock{waited}, then ran")
+        self._print_coalescing()
         pending = tally.pending()
         if pending:
             print(f"unfinished: {len(pending)} submitted tasks never finished")
@@ -427,6 +432,48 @@ class Demo:
             self._draw(output, len(overlaps))
         print("=" * 78)
         return 1 if overlaps else 0
+
+    def _print_coalescing(self) -> None:
+        """The coalescing keys: pending runs, merged duplicates, and runs per burst."""
+        tally = self.tally
+        bursts = tally.bursts()
+        if not bursts:
+            return
+        pending = sum(1 for duplicate in tally.duplicates if duplicate.policy == "coalesce")
+        merged = sum(1 for duplicate in tally.duplicates if duplicate.policy == "coalesced")
+        gaps = tally.follow_up_gaps()
+        started = (
+            f" started {min(gaps):.2f}-{max(gaps):.2f} s after the run before them ended,"
+            if gaps
+            else ""
+        )
+        print(
+            f"coalesced:  {merged} duplicates merged into the pending run of their key (REVOKED "
+            "with\n            DuplicateCoalesced, whose .into names that run); "
+            f"{pending} pending runs (counted\n            as waited){started} woken by "
+            "its release"
+        )
+        width = max(len(key) for key in bursts)
+        for key, key_bursts in bursts.items():
+            triggers = sum(burst.triggers for burst in key_bursts)
+            runs = sum(burst.runs for burst in key_bursts)
+            per_burst = " ".join(str(burst.runs) for burst in key_bursts)
+            print(
+                f"coalescing: {key:<{width}}  {len(key_bursts)} bursts, {triggers} triggers -> "
+                f"{runs} runs (per burst: {per_burst})"
+            )
+        crowded = sum(1 for key_bursts in bursts.values() for burst in key_bursts if burst.runs > 2)
+        if crowded:
+            print(
+                f"            {crowded} of the bursts ran more than twice: a trigger reached a "
+                "worker after\n            the follow-up had started (every pool process was "
+                "busy), so it became the\n            next pending run"
+            )
+        else:
+            print(
+                "            every burst ran at most twice: the run its first trigger started, "
+                "and one follow-up"
+            )
 
     def _draw(self, output: Path, overlaps: int) -> None:
         tally = self.tally
@@ -514,7 +561,9 @@ def _redis_version(executable: str) -> str:
 def _table(tally: Tally, *, live: bool) -> list[str]:
     counts = tally.counts()
     width = max([len(key) for key in counts] + [24])
-    columns = f"{'submitted':>9} {'ran':>5} {'skipped':>8} {'retried':>8} {'waited':>7}"
+    columns = (
+        f"{'submitted':>9} {'ran':>5} {'skipped':>8} {'retried':>8} {'waited':>7} {'coalesced':>9}"
+    )
     header = f"{'key':<{width}} {columns}"
     if live:
         header += "  running now"
@@ -523,7 +572,7 @@ def _table(tally: Tally, *, live: bool) -> list[str]:
     def row(name: str, c: KeyCounts, running: str) -> str:
         text = (
             f"{name:<{width}} {c.submitted:>9} {c.ran:>5} {c.skipped:>8} {c.retried:>8} "
-            f"{c.waited:>7}"
+            f"{c.waited:>7} {c.coalesced:>9}"
         )
         return f"{text}  {running}" if live else text
 

@@ -8,6 +8,9 @@ Every process starts in a session (and process group) of its own, so that
   shutdown: running tasks finish), then SIGKILL to the group after a grace period, and a final
   SIGKILL sweep of the group for any child its parent left behind.
 
+The processes are `celery_redlock.testing.ManagedProcess` and are stopped by
+`celery_redlock.testing.stop_processes`, the helpers the tests and benchmarks use too.
+
 `SignalGuard` turns SIGINT, SIGTERM and SIGHUP into ``KeyboardInterrupt`` in the runner, defers
 them while a process is being spawned (so no child is ever started without being tracked), and
 during clean-up makes a second Ctrl-C mean "kill now" instead of aborting the clean-up.
@@ -16,15 +19,13 @@ during clean-up makes a second Ctrl-C mean "kill now" instead of aborting the cl
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
-import subprocess
-import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import IO
+
+from celery_redlock.testing import ManagedProcess, stop_processes
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -79,35 +80,27 @@ class SignalGuard:
 
 @dataclass(eq=False)
 class Member:
-    """One subprocess of the fleet (a worker or beat) and its log file."""
+    """One subprocess of the fleet (a worker or beat), a `celery_redlock.testing.ManagedProcess`
+    logging to ``<log_dir>/<name>.log``."""
 
     name: str
-    popen: subprocess.Popen[bytes]
-    log_path: Path
-    log_file: IO[bytes]
-    exit_code: int | None = field(default=None)
+    process: ManagedProcess
 
     @property
     def pid(self) -> int:
-        return self.popen.pid
+        return self.process.pid
+
+    @property
+    def log_path(self) -> Path:
+        return self.process.log_path
 
     def exited(self) -> bool:
         """Whether the main process has exited, without reaping it (its pid stays reserved, so
         the group can still be swept safely)."""
-        if self.exit_code is not None:
-            return True
-        try:
-            info = os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-        except ChildProcessError:
-            return True
-        return info is not None
+        return not self.process.is_running
 
     def log_tail(self, lines: int = 25) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace").splitlines()
-        except OSError:
-            return "(no log)"
-        return "\n".join(text[-lines:]) or "(log is empty)"
+        return self.process.log_tail(lines) or "(log is empty)"
 
 
 class Fleet:
@@ -122,23 +115,16 @@ class Fleet:
 
     def spawn(self, name: str, argv: Sequence[str]) -> Member:
         """Start ``argv`` in a new session, output to ``<log_dir>/<name>.log``."""
-        log_path = self.log_dir / f"{name}.log"
         with self.guard.deferred():
-            log_file = log_path.open("ab")
-            try:
-                popen = subprocess.Popen(
-                    list(argv),
-                    stdin=subprocess.DEVNULL,
-                    stdout=log_file,
-                    stderr=subprocess.STDOUT,
-                    env=self.env,
-                    cwd=self.cwd,
-                    start_new_session=True,
-                )
-            except BaseException:
-                log_file.close()
-                raise
-            member = Member(name, popen, log_path, log_file)
+            process = ManagedProcess(
+                argv,
+                environment=self.env,
+                inherit_environment=False,
+                working_directory=self.cwd,
+                log_path=self.log_dir / f"{name}.log",
+                label=name,
+            ).start()
+            member = Member(name, process)
             self.members.append(member)
         return member
 
@@ -148,32 +134,16 @@ class Fleet:
     def stop(self, members: Sequence[Member] | None = None, grace: float = 15.0) -> None:
         """SIGTERM each group, SIGKILL what is left after ``grace`` seconds, reap everything.
 
-        Never raises for processes that are already gone; safe to call repeatedly.
+        A second Ctrl-C (the guard's ``hurry``) cuts the grace period short. Never raises for
+        processes that are already gone; safe to call repeatedly.
         """
         members = list(self.members if members is None else members)
-        for member in members:
-            if not member.exited():
-                _signal_group(member.pid, signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        while any(not member.exited() for member in members):
-            if self.guard.hurry or time.monotonic() >= deadline:
-                break
-            time.sleep(0.05)
-        for member in members:
-            # The main process may be gone while a prefork child lingers: sweep the group.
-            # Its pid is not reaped yet, so the group id cannot belong to anybody else.
-            _signal_group(member.pid, signal.SIGKILL)
-            if member.exit_code is None:
-                member.exit_code = member.popen.wait()
-            member.log_file.close()
+        stop_processes(
+            [member.process for member in members], grace, hurry=lambda: self.guard.hurry
+        )
 
     def __enter__(self) -> Fleet:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop(grace=3.0)
-
-
-def _signal_group(pgid: int, signum: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, signum)

@@ -8,19 +8,26 @@ it is Redis, else the first lock node); the demo runner reads the list while the
 event ``e``           sent from                                          means
 ====================  =================================================  ====================
 ``submit``            Celery's ``after_task_publish`` (client or beat)   a new task message
+                                                                         (``burst``: the
+                                                                         burst it belongs to)
+``again``             Celery's ``after_task_publish`` (a worker)         the same task id
+                                                                         published again: a
+                                                                         retry, or deferred
 ``start`` / ``run``   the task body (`recorded_run`)                     the body ran, with
                                                                          start and end times
 ``acquired``          celery_redlock's ``lock_acquired``                 lock taken (``waited``)
 ``dup``               celery_redlock's ``lock_duplicate``                lock held by another
                                                                          run; ``policy`` says
-                                                                         skip/retry/wait
+                                                                         skip/retry/wait/
+                                                                         coalesce/coalesced
 ``lost``              celery_redlock's ``lock_lost``                     a run lost its lock
-``done``              Celery's ``task_postrun`` (any state but RETRY)    the message is finished
+``done``              Celery's ``task_postrun`` (any state)              a delivery finished
 ====================  =================================================  ====================
 
 Every event carries ``id`` (the task id), ``task``, ``key`` (a readable label of the lock key,
-e.g. ``report acct 17 2024-06-01``) and ``t`` (``time.time()``). Recording never breaks a task:
-errors are logged once and ignored.
+e.g. ``report acct 17 2024-06-01``) and ``t`` (``time.time()``). A message is finished once
+its deliveries (``done``) catch up with its publications (``submit`` plus ``again``). Recording
+never breaks a task: errors are logged once and ignored.
 """
 
 from __future__ import annotations
@@ -39,11 +46,14 @@ import redis
 from celery import signals as celery_signals
 
 from celery_redlock import signals as lock_signals
+from celery_redlock.task import DEFERRED_HEADER
 
 logger = logging.getLogger(__name__)
 
 RUN_ID_VARIABLE = "DEMO_RUN_ID"
 EVENTS_URL_VARIABLE = "DEMO_EVENTS_URL"
+BURST_HEADER = "demo_burst"
+"""Message header naming the burst of triggers a call belongs to (demo bookkeeping only)."""
 
 Label = Callable[[dict[str, Any]], str]
 
@@ -163,18 +173,17 @@ def _on_published(
 ) -> None:
     headers = headers or {}
     name = sender or headers.get("task")
-    if name not in _labels or headers.get("retries"):
-        return  # not ours, or a retry of a message already counted
+    if name not in _labels:
+        return
     args, kwargs = (body[0], body[1]) if isinstance(body, (tuple, list)) else ((), {})
-    record(
-        {
-            "e": "submit",
-            "id": headers.get("id"),
-            "task": name,
-            "key": key_label(name, args, kwargs),
-            "via": _publisher,
-        }
-    )
+    event = {"id": headers.get("id"), "task": name, "key": key_label(name, args, kwargs)}
+    if headers.get(DEFERRED_HEADER) or headers.get("retries"):
+        # The same task id again (a retry, a deferral, a coalescing run's safety copy): one
+        # more delivery to wait for, not a new call.
+        record({"e": "again", **event})
+    else:
+        burst = headers.get(BURST_HEADER)
+        record({"e": "submit", **event, "via": _publisher, **({"burst": burst} if burst else {})})
 
 
 def _task_event(kind: str, task: Any, task_id: str | None, **fields: Any) -> None:
@@ -226,8 +235,7 @@ def _on_lost(sender: Any = None, task_id: str | None = None, reason: Any = None,
 def _on_postrun(
     sender: Any = None, task_id: str | None = None, task: Any = None, state: str = "", **_: Any
 ) -> None:
-    if state != "RETRY":
-        _task_event("done", task or sender, task_id, state=state)
+    _task_event("done", task or sender, task_id, state=state)
 
 
 celery_signals.beat_init.connect(_on_beat_init, weak=False)

@@ -1,4 +1,4 @@
-"""What the recorded events say: counts per key, runs, duplicates, waits and overlaps."""
+"""What the recorded events say: counts per key, runs, duplicates, waits, bursts and overlaps."""
 
 from __future__ import annotations
 
@@ -42,13 +42,15 @@ class Duplicate:
 
 @dataclass(frozen=True)
 class Wait:
-    """A duplicate blocked on the lock (``on_duplicate="wait"``) from ``start`` to ``end``."""
+    """A duplicate blocked on the lock from ``start`` to ``end``, when the release woke it:
+    ``policy`` ``"wait"``, or ``"coalesce"`` for the pending run of a coalescing key."""
 
     id: str
     key: str
     worker: str
     start: float
     end: float
+    policy: str = "wait"
 
 
 @dataclass(frozen=True)
@@ -61,17 +63,47 @@ class Overlap:
 
     @property
     def seconds(self) -> float:
+        """How long the two runs overlapped."""
         return min(self.first.end, self.second.end) - self.second.start
 
 
 @dataclass
 class KeyCounts:
+    """One row of the table: what happened to the calls of one key (``running``: workers
+    running it now)."""
+
     submitted: int = 0
     ran: int = 0
     skipped: int = 0
     retried: int = 0
     waited: int = 0
+    coalesced: int = 0
     running: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Burst:
+    """Triggers of one coalescing key sent together (``label``, e.g. ``shop-eu #2``), and how
+    many of them ran: the run the burst started, plus at most one follow-up run."""
+
+    label: str
+    key: str
+    triggers: int
+    runs: int
+
+
+DUPLICATE_COLUMNS = {
+    "skip": "skipped",
+    "redelivered": "skipped",
+    "retry": "retried",
+    "wait": "waited",
+    "coalesce": "waited",  # the pending run: it waits for the release, then runs
+    "coalesced": "coalesced",
+}
+"""The table column counting each ``lock_duplicate`` policy (others are not counted)."""
+
+WOKEN_POLICIES = ("wait", "coalesce")
+"""Duplicates that block until the release wakes them (drawn as waits)."""
 
 
 class EventReader:
@@ -83,6 +115,7 @@ class EventReader:
         self.position = 0
 
     def read_new(self) -> list[dict[str, Any]]:
+        """The events appended since the last call, decoded."""
         raw = self.client.lrange(self.key, self.position, -1)
         self.position += len(raw)
         events = []
@@ -101,6 +134,9 @@ class Tally:
         self.keys: list[str] = list(keys)
         self.submitted: dict[str, str] = {}  # task id -> key
         self.submitted_via: Counter[str] = Counter()
+        self.burst_of: dict[str, str] = {}  # task id -> burst label
+        self.published: Counter[str] = Counter()  # task id -> messages (first, retries, copies)
+        self.delivered: Counter[str] = Counter()  # task id -> deliveries finished
         self.runs: list[Run] = []
         self.runs_by_id: dict[str, Run] = {}
         self.running: dict[str, dict[str, Any]] = {}  # task id -> start event
@@ -113,6 +149,7 @@ class Tally:
     # -- input ---------------------------------------------------------------------------
 
     def feed(self, events: Iterable[dict[str, Any]]) -> None:
+        """Take recorded events (see `example_project.recording`) into account."""
         for event in events:
             kind = event.get("e")
             key = str(event.get("key", "?"))
@@ -122,6 +159,11 @@ class Tally:
             if kind == "submit":
                 self.submitted[task_id] = key
                 self.submitted_via[str(event.get("via"))] += 1
+                self.published[task_id] += 1
+                if event.get("burst"):
+                    self.burst_of[task_id] = str(event["burst"])
+            elif kind == "again":
+                self.published[task_id] += 1
             elif kind == "start":
                 self.running[task_id] = event
             elif kind == "run":
@@ -150,35 +192,47 @@ class Tally:
                     int(event.get("attempt", 0)),
                 )
                 self.duplicates.append(duplicate)
-                if duplicate.policy == "wait":
+                if duplicate.policy in WOKEN_POLICIES:
                     self._wait_starts[(task_id, duplicate.attempt)] = duplicate
             elif kind == "acquired":
                 started = self._wait_starts.pop((task_id, int(event.get("attempt", 0))), None)
                 if started is not None:
                     self.waits.append(
-                        Wait(task_id, started.key, started.worker, started.t, float(event["t"]))
+                        Wait(
+                            task_id,
+                            started.key,
+                            started.worker,
+                            started.t,
+                            float(event["t"]),
+                            started.policy,
+                        )
                     )
             elif kind == "done":
                 self.done[task_id] = str(event.get("state"))
+                self.delivered[task_id] += 1
             elif kind == "lost":
                 self.lost.append(event)
 
     # -- questions -----------------------------------------------------------------------
 
     def pending(self) -> list[str]:
-        """Submitted task ids that have not finished (ran, were skipped or failed) yet."""
-        return [task_id for task_id in self.submitted if task_id not in self.done]
+        """Submitted task ids with a message not consumed yet: not every publication (the first,
+        retries, deferred copies such as a coalescing run's safety copy) was delivered."""
+        return [
+            task_id
+            for task_id in self.submitted
+            if self.delivered[task_id] < self.published[task_id]
+        ]
 
     def counts(self) -> dict[str, KeyCounts]:
+        """One `KeyCounts` per key, in display order."""
         counts = {key: KeyCounts() for key in self.keys}
         for key in self.submitted.values():
             counts[key].submitted += 1
         for run in self.runs:
             counts[run.key].ran += 1
         for duplicate in self.duplicates:
-            column = {"skip": "skipped", "redelivered": "skipped", "retry": "retried"}.get(
-                duplicate.policy, "waited" if duplicate.policy == "wait" else None
-            )
+            column = DUPLICATE_COLUMNS.get(duplicate.policy)
             if column is not None:
                 setattr(counts[duplicate.key], column, getattr(counts[duplicate.key], column) + 1)
         for event in self.running.values():
@@ -186,6 +240,7 @@ class Tally:
         return counts
 
     def totals(self) -> KeyCounts:
+        """The sum of every key's counts."""
         total = KeyCounts()
         for counts in self.counts().values():
             total.submitted += counts.submitted
@@ -193,6 +248,7 @@ class Tally:
             total.skipped += counts.skipped
             total.retried += counts.retried
             total.waited += counts.waited
+            total.coalesced += counts.coalesced
             total.running += counts.running
         return total
 
@@ -213,6 +269,7 @@ class Tally:
         return found
 
     def workers(self) -> list[str]:
+        """The workers that ran or turned away anything, sorted."""
         names = {run.worker for run in self.runs} | {dup.worker for dup in self.duplicates}
         return sorted(names)
 
@@ -235,5 +292,42 @@ class Tally:
         retried = {dup.id for dup in self.duplicates if dup.policy == "retry"}
         return len(retried), sum(1 for task_id in retried if task_id in self.runs_by_id)
 
-    def median_wait(self) -> float | None:
-        return statistics.median(w.end - w.start for w in self.waits) if self.waits else None
+    def median_wait(self, policy: str = "wait") -> float | None:
+        """Median seconds from finding the lock held to the release that woke the duplicate."""
+        waits = [wait.end - wait.start for wait in self.waits if wait.policy == policy]
+        return statistics.median(waits) if waits else None
+
+    def bursts(self) -> dict[str, list[Burst]]:
+        """Per coalescing key (in display order), its bursts of triggers in order."""
+        triggers: Counter[str] = Counter(self.burst_of.values())
+        runs: Counter[str] = Counter(
+            self.burst_of[run.id] for run in self.runs if run.id in self.burst_of
+        )
+        key_of = {label: self.submitted[task_id] for task_id, label in self.burst_of.items()}
+        found: dict[str, list[Burst]] = {}
+        for key in self.keys:
+            labels = sorted((label for label in key_of if key_of[label] == key), key=_burst_order)
+            if labels:
+                found[key] = [Burst(label, key, triggers[label], runs[label]) for label in labels]
+        return found
+
+    def follow_up_gaps(self) -> list[float]:
+        """For each pending run of a coalescing key that ran: seconds from the end of the run
+        before it (on the same key) to its own start."""
+        pending = {duplicate.id for duplicate in self.duplicates if duplicate.policy == "coalesce"}
+        gaps = []
+        for run in self.runs:
+            if run.id not in pending:
+                continue
+            earlier = [
+                other for other in self.runs if other.key == run.key and other.start < run.start
+            ]
+            if earlier:
+                gaps.append(run.start - max(earlier, key=lambda other: other.start).end)
+        return gaps
+
+
+def _burst_order(label: str) -> tuple[str, int]:
+    """``shop-eu #10`` after ``shop-eu #9``."""
+    name, _, number = label.rpartition("#")
+    return (name, int(number)) if number.isdigit() else (label, 0)

@@ -1,6 +1,6 @@
 """The demo's Celery app: a reporting back-end whose tasks must never run twice at once.
 
-Four tasks, four reasons duplicates happen in real fleets:
+Five tasks, five reasons duplicates happen in real fleets:
 
 - ``rebuild_report(account_id, day, requested_by=None)``: several people press "rebuild" on
   the same report. The lock is keyed on ``(account_id, day)`` only, so requests from different
@@ -11,6 +11,11 @@ Four tasks, four reasons duplicates happen in real fleets:
   newest data is imported once more, never concurrently with the first import.
 - ``sync_account(account_id, full=False)``: called by name (``send_task``) from another
   service; keyed on the account only. A duplicate *retries* later with back-off.
+- ``refresh_search_index(storefront)``: every product save triggers a refresh of the
+  storefront's search index, and editors save in bursts. A trigger arriving while a refresh
+  runs must not be dropped (that refresh may have read the products before the save) nor run
+  once per save: it is *coalesced*. The first such trigger becomes the one pending refresh,
+  woken by the release; every later one merges into it. A burst costs at most one extra run.
 - ``refresh_exchange_rates()``: a beat job every 2 seconds whose run sometimes takes longer
   than 2 seconds; keyed on the task name alone (``lock_args=()``), the overlapping tick is
   *skipped*.
@@ -55,7 +60,11 @@ if _config_module:
 app.conf.update(
     task_default_queue=QUEUE,
     task_ignore_result=True,  # the demo reads its timeline from recording, not from results
-    worker_prefetch_multiplier=1,  # do not let one worker hoard a burst of duplicates
+    # A worker takes a message only when a pool process is free to run it (the message is
+    # acknowledged once the run ends): a burst of duplicates never waits behind busy processes
+    # while another worker's process is idle.
+    worker_prefetch_multiplier=1,
+    task_acks_late=True,
     broker_connection_retry_on_startup=True,
     timezone="UTC",
     redlock_ttl=10,  # short: a lock left by a killed demo worker frees itself quickly
@@ -115,6 +124,22 @@ def sync_account(self, account_id: int, full: bool = False) -> str:
     return f"account {account_id} synced"
 
 
+@singleton_task(
+    app=app,
+    bind=True,
+    on_duplicate="coalesce",
+    # The pending run publishes a safety copy of itself that comes back after lock_ttl + 1 s
+    # (acknowledged then, as it already ran). Longer than a wait plus a run (at most about
+    # 5.5 s), so the copy never finds its original still running; short, so the demo does not
+    # wait long for the last copy before it stops the workers.
+    lock_ttl=6,
+)
+def refresh_search_index(self, storefront: str) -> None:
+    """Re-index a storefront's products; triggers during a refresh collapse into one more run."""
+    with recording.recorded_run(self):
+        _work(1.8, 2.6)
+
+
 @singleton_task(app=app, bind=True, lock_args=(), on_duplicate="skip")
 def refresh_exchange_rates(self) -> None:
     """Beat job every 2 s; one run in three or so takes longer than that."""
@@ -135,6 +160,7 @@ recording.setup(
         rebuild_report.name: lambda a: f"report acct {a['account_id']} {a['day']}",
         import_catalog.name: lambda a: f"import {_short_source(a['source_url'])}",
         sync_account.name: lambda a: f"sync acct {a['account_id']}",
+        refresh_search_index.name: lambda a: f"search index {a['storefront']}",
         refresh_exchange_rates.name: lambda a: "exchange rates (beat)",
     },
 )

@@ -4,17 +4,23 @@ Markers show where the duplicates went: a skipped duplicate is a black cross dra
 that held the lock at that moment (that run did the work the duplicate asked for); a retried
 duplicate is a hollow circle (the message came back later); a waited duplicate is a dotted line
 from the moment it found the lock taken to the moment the release woke it, where its own bar
-starts. matplotlib is optional: `draw` raises ImportError without it.
+starts. On a coalescing key the first duplicate during a run becomes the pending run: a purple
+diamond and a dotted line to where the release woke it and its bar (edged in purple) starts;
+every later duplicate is a purple triangle above the bars with an arrow to the pending run it
+merged into.
+matplotlib is optional: `draw` raises ImportError without it.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from .tally import Tally
 
 SKIP_POLICIES = ("skip", "redelivered")
+COALESCE_COLOUR = "#7d3c98"
 
 
 def draw(tally: Tally, path: Path, *, t0: float, title: str, subtitle: str = "") -> Path:
@@ -35,22 +41,24 @@ def draw(tally: Tally, path: Path, *, t0: float, title: str, subtitle: str = "")
 
     height = 0.5 * max(len(keys), 1) + 2.6
     figure, axes = plt.subplots(figsize=(15, height), dpi=100)
-    figure.subplots_adjust(left=0.17, right=0.86, top=1 - 1.05 / height, bottom=1.15 / height)
+    figure.subplots_adjust(left=0.17, right=0.845, top=1 - 1.05 / height, bottom=1.15 / height)
 
     for index in range(len(keys)):
         if index % 2:
             axes.axhspan(index - 0.5, index + 0.5, color="#f3f3f3", zorder=0)
 
+    follow_ups = {wait.id for wait in tally.waits if wait.policy == "coalesce"}
     for run in tally.runs:
         if run.key not in rows:
             continue
+        follow_up = run.id in follow_ups
         axes.broken_barh(
             [(run.start - t0, max(run.end - run.start, 0.02))],
             (rows[run.key] - 0.3, 0.6),
             facecolors=colours.get(run.worker, "grey"),
-            edgecolors="black",
-            linewidth=0.6,
-            zorder=2,
+            edgecolors=COALESCE_COLOUR if follow_up else "black",
+            linewidth=1.8 if follow_up else 0.6,
+            zorder=2.5 if follow_up else 2,
         )
 
     for wait in tally.waits:
@@ -64,15 +72,58 @@ def draw(tally: Tally, path: Path, *, t0: float, title: str, subtitle: str = "")
                 color=colours.get(wait.worker, "grey"),
                 zorder=3,
             )
+            pending = wait.policy == "coalesce"
             axes.plot(
                 [wait.start - t0],
                 [y],
-                marker=">",
-                markersize=6,
-                color=colours.get(wait.worker, "grey"),
+                marker="D" if pending else ">",
+                markersize=5.5 if pending else 6,
+                color=COALESCE_COLOUR if pending else colours.get(wait.worker, "grey"),
                 markeredgecolor="black",
                 markeredgewidth=0.5,
                 zorder=4,
+            )
+
+    merged: Counter[str] = Counter()  # pending run id -> duplicates merged into it
+    for duplicate in tally.duplicates:
+        if duplicate.policy != "coalesced" or duplicate.key not in rows:
+            continue
+        merged[duplicate.holder_id or ""] += 1
+        y = rows[duplicate.key]
+        x = duplicate.t - t0
+        axes.scatter([x], [y - 0.4], marker="v", s=30, color=COALESCE_COLOUR, zorder=6)
+        into = tally.runs_by_id.get(duplicate.holder_id or "")
+        if into is not None and into.key == duplicate.key:
+            axes.annotate(
+                "",
+                xy=(into.start - t0, y - 0.3),
+                xytext=(x, y - 0.4),
+                arrowprops={
+                    "arrowstyle": "-|>",
+                    "color": COALESCE_COLOUR,
+                    "linewidth": 0.7,
+                    "alpha": 0.75,
+                    "shrinkA": 2,
+                    "shrinkB": 0,
+                    "mutation_scale": 7,
+                    "connectionstyle": "arc3,rad=-0.25",
+                },
+                zorder=5,
+            )
+    for pending_id, merged_count in merged.items():
+        pending_run = tally.runs_by_id.get(pending_id)
+        if pending_run is not None and pending_run.key in rows:
+            axes.text(
+                (pending_run.start + pending_run.end) / 2 - t0,
+                rows[pending_run.key],
+                f"+{merged_count} merged",
+                ha="center",
+                va="center",
+                fontsize=7.5,
+                fontweight="bold",
+                color="white",
+                clip_on=True,
+                zorder=6,
             )
 
     def scatter(policies: tuple[str, ...], **style: Any) -> None:
@@ -108,6 +159,8 @@ def draw(tally: Tally, path: Path, *, t0: float, title: str, subtitle: str = "")
             parts.append(f"{count.retried} retried")
         if count.waited:
             parts.append(f"{count.waited} waited")
+        if count.coalesced:
+            parts.append(f"{count.coalesced} coalesced")
         axes.text(
             1.01,
             row,
@@ -142,6 +195,14 @@ def draw(tally: Tally, path: Path, *, t0: float, title: str, subtitle: str = "")
         Line2D([], [], marker=">", linestyle=":", color="grey", markeredgecolor="black",
                label="waited duplicate\n(woken by the release)"),
     ]  # fmt: skip
+    if merged or any(wait.policy == "coalesce" for wait in tally.waits):
+        handles += [
+            Line2D([], [], marker="D", linestyle=":", color="grey", markersize=5.5,
+                   markerfacecolor=COALESCE_COLOUR, markeredgecolor="black", mew=0.5,
+                   label="pending run (coalesce): woken\nby the release (purple edge)"),
+            Line2D([], [], marker="v", linestyle="-", color=COALESCE_COLOUR, markersize=6,
+                   linewidth=0.8, label="coalesced duplicate\n(arrow: the run it joined)"),
+        ]  # fmt: skip
     if lost_points:
         handles.append(
             Line2D([], [], marker="*", linestyle="", color="red", markersize=10, label="lock lost")
@@ -149,7 +210,7 @@ def draw(tally: Tally, path: Path, *, t0: float, title: str, subtitle: str = "")
     figure.legend(
         handles=handles,
         loc="lower center",
-        ncol=min(len(handles), 7),
+        ncol=min(len(handles), 8),
         fontsize=8.5,
         frameon=False,
     )
