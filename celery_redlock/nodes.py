@@ -291,7 +291,9 @@ class Link:
         try:
             reply = self.connection.read_response()
         except ResponseError as error:
-            return error
+            # Without its traceback: the frames it holds would hold the error again (a cycle
+            # that keeps this connection's socket open until the garbage collector runs).
+            return error.with_traceback(None)
         self.node.mark_answered()
         return reply
 
