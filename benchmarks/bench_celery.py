@@ -1,17 +1,17 @@
-"""Throughput of a no-op task through one real Celery worker: plain, singleton_task and peers.
+"""Throughput and CPU of a no-op task through one solo Celery worker: plain, singleton_task, peers.
 
 Run from the repository root::
 
-    python benchmarks/bench_celery.py                       # defaults: two to three minutes
-    python benchmarks/bench_celery.py --tasks 500 --rounds 3   # a quick look
-    python benchmarks/bench_celery.py --json results.json   # the table, plus raw numbers as JSON
-    python benchmarks/bench_celery.py --profile /tmp/prof   # cProfile the worker children too
-    python benchmarks/bench_celery.py --candidate /tmp/patched  # A/B a changed celery_redlock
+    python benchmarks/bench_celery.py                          # defaults: about five minutes
+    python benchmarks/bench_celery.py --tasks 300 --rounds 2   # a quick check
+    python benchmarks/bench_celery.py --json results.json      # the tables, plus raw numbers
+    python benchmarks/bench_celery.py --candidate /tmp/patched # A/B a changed celery_redlock
+    python benchmarks/bench_celery.py --profile /tmp/profiles  # cProfile the solo workers too
 
 Six fresh ``redis-server`` processes are started on free ports of 127.0.0.1 through
-``celery_redlock.testing`` (never the shared Redis on 6379) and stopped at the end, also on
-Ctrl-C and on errors: one is the broker (and the harness's control channel), five are lock nodes.
-The same no-op task, ``noop(i)``, is measured in five variants, all on that one broker:
+``celery_redlock.testing`` (never a Redis you already run) and stopped at the end, also on
+Ctrl-C, SIGTERM and errors: one is the broker, five are lock nodes. The same no-op task,
+``noop(i)``, is measured in five variants, all on that one broker:
 
 * ``plain``: ``@app.task``;
 * ``redlock-1``: ``@singleton_task`` with ``redlock_urls`` = lock node 0;
@@ -19,48 +19,60 @@ The same no-op task, ``noop(i)``, is measured in five variants, all on that one 
 * ``celery-singleton``: ``@app.task(base=Singleton)``, its Redis backend on lock node 0;
 * ``celery-once``: ``@app.task(base=QueueOnce)``, its Redis backend on lock node 0.
 
-Every call gets distinct arguments, so no variant ever sees a duplicate. celery-singleton and
-celery-once take their lock when the task is *published* and only release it in the worker,
-while singleton_task takes and releases it in the worker; this benchmark times the worker only.
+One run of one variant:
 
-The worker: one real ``celery worker`` process per variant (started by this script through
-``app.worker_main``, the code path of the ``celery worker`` command), with Celery's default
-prefork pool at concurrency 1, the default prefetch and scheduling (pass ``--optimization fair``
-for ``-O fair``), ``--loglevel WARNING`` and without gossip, mingle and heartbeat. Results are
-ignored (``ignore_result=True``, no result backend). The worker processes import celery_redlock,
-celery-singleton and celery-once alike, whatever their variant, and each consumes its own queue.
-Workers are started once and kept for every round; each is warmed up with a discarded batch.
+1. ``--tasks`` calls ``noop(i)`` are published to a queue nobody used before, every call with
+   arguments no other call ever had (so nothing is a duplicate), then one ``report`` task. This
+   is not timed: celery-singleton and celery-once take their locks here, at publish time;
+2. then one real worker starts on that queue: ``celery -A bench_celery:app worker -P solo
+   -c 1`` (a `celery_redlock.testing.CeleryWorker`: no gossip, mingle or heartbeat, log level
+   WARNING, Celery's default prefetch, ``ignore_result=True`` and no result backend). Every
+   worker imports celery_redlock, celery-singleton and celery-once alike, whatever its variant;
+3. inside the worker, a ``task_prerun`` and a ``task_postrun`` receiver, the same in every
+   variant, keep a few numbers in memory: when the first ``noop`` started (wall clock and the
+   process's CPU time), when the last one ended, and how many ended in which state. The window
+   runs from the start of the first ``noop`` to the end of the last, so it holds every call's
+   whole cycle (receive, lock, run, release, acknowledge) and neither the worker's start nor
+   its stop;
+4. ``report``, queued behind the calls, sends those numbers to the broker Redis once; the
+   worker is then stopped (killed: every message is acknowledged by then, and a warm shutdown
+   would only add a second per run).
 
-One measured batch, on the variant's queue, in this order:
+A run where a call failed, retried or was skipped (any state but SUCCESS, or fewer calls than
+published) is noted in the report and run again, at most three times.
 
-1. ``gate``: a plain task that blocks the worker's single child until the harness says go;
-2. the ``--tasks`` no-op calls, published while the gate holds the worker (so publishing, and the
-   publish-side locking of celery-singleton and celery-once, is never timed);
-3. ``report``: a plain task that sends the child's measurements back over the broker Redis.
+CPU: with ``-P solo`` the worker is one process that receives, locks, runs and acknowledges,
+so its CPU time in the window (``time.process_time``: user + system, every thread) divided by
+the calls is everything a call costs the worker. The lock nodes' CPU time (from their INFO)
+is read before the worker starts and after the report arrives, so it holds the worker's start,
+and the nodes' idle housekeeping: the plain row shows that floor.
 
-The window runs, in the worker child, from the gate's return to the start of ``report``: every
-no-op call's full cycle (delivery to the child, lock, run, release, result to the parent) and
-nothing else. The only instrumentation inside the window is a ``task_postrun`` receiver that
-counts outcomes (a dictionary increment), the same in every variant, so a batch where any call
-failed, retried or was skipped is not counted as fast: it is noted in the report and run again
-(at most three times). CPU time per task is reported too (medians), for the worker's main
-process (from /proc, 10 ms ticks), for its pool child (all its threads) and for the five lock
-nodes together (from their INFO); the main process's and the nodes' are read just before "go"
-and just after the report arrives. CPU time moves less than wall time on a busy machine; it shows
-which process the no-op's cycle waits for (with one child, usually the main process, which
-receives, dispatches and acknowledges while the child runs) and what the lock nodes take from the
-worker when they share its CPUs, as they do here.
+The lock client alone: ``client-1`` and ``client-5`` run ``Redlock(urls).acquire(resource,
+ttl)`` + ``release(lock)`` ``--tasks`` times (distinct resources, after a short warm-up) in a
+separate process started and pinned (``--cpus``) the same way as the workers, importing the same
+modules, in the same rounds. The integration CPU of singleton_task is its worker CPU per call
+minus plain's, minus the lock client's CPU per acquire + release with the same node count,
+computed in each round and reported as the median over rounds; the target is at most 50 µs.
 
-``--candidate DIR`` adds ``redlock-1-candidate`` and ``redlock-5-candidate``: the same tasks in
-workers that import another copy of ``celery_redlock`` (a proposed change), measured in the same
-rounds as everything else. DIR is that copy's package directory (holding its ``__init__.py``, as
-for ``bench_locks.py --variant``) or a directory that contains it as ``celery_redlock/``.
+Runs are interleaved: every round runs every variant and both lock clients once, in an order
+rotated every round, so load from elsewhere on the machine falls on all of them alike. Before
+the rounds, each runs once with ``--warmup`` calls, not counted. The report is Markdown: the
+median tasks per second of each variant, its min - max over rounds, its ratio to plain, its cost
+per call over plain, the worker's and the lock nodes' CPU per call; the lock client alone; the
+integration CPU; then the checks of the targets (singleton_task at least 0.9x plain with 1 and
+with 5 lock nodes, integration CPU at most 50 µs per call with either) and the machine's load.
 
-Batches run in rounds: every round runs every variant once, in an order rotated each round, so
-machine noise falls on all of them alike. The report is a Markdown table of the median tasks per
-second of each variant, its spread over rounds, its ratio to ``plain`` and its cost per task over
-``plain``, then the check of the target: singleton_task at least 0.85x plain with 1 and with 5
-lock nodes. It always exits 0 when the benchmark itself ran: it is a report, not a test.
+``--candidate DIR`` adds ``redlock-1-candidate``, ``redlock-5-candidate`` and their lock
+clients: the same runs with another copy of ``celery_redlock`` (a proposed change) first on the
+path. DIR is that copy's package directory (holding its ``__init__.py``, as for
+``bench_locks.py --variant``) or a directory that contains it as ``celery_redlock/``.
+
+``--profile DIR`` runs every variant once more after the rounds (not in the table), with
+cProfile enabled in the worker from the first ``noop`` to the ``report``, and keeps the result
+in ``DIR/<variant>.pstats``. It counts wall-clock time, waits included, or with
+``--profile-timer cpu`` the worker thread's CPU time (``time.thread_time``; slower).
+
+It always exits 0 when the benchmark itself ran: it is a report, not a test.
 """
 
 from __future__ import annotations
@@ -68,6 +80,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import hashlib
 import importlib.metadata
 import itertools
 import json
@@ -78,23 +91,34 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import redis
 from celery import Celery, signals
-from celery_once import QueueOnce
-from celery_singleton import Singleton
+from celery_once import QueueOnce  # type: ignore[import-untyped]
+from celery_singleton import Singleton  # type: ignore[import-untyped]
 
-from celery_redlock import singleton_task
-from celery_redlock.testing import RedisNodes, RedisServer, find_redis_server
+import celery_redlock
+from celery_redlock import Redlock, singleton_task
+from celery_redlock.settings import RedlockSettings
+from celery_redlock.testing import (
+    CeleryWorker,
+    ManagedProcess,
+    ProcessExitedError,
+    RedisNodes,
+    RedisServer,
+    celery_processes,
+    find_redis_server,
+)
 
 
 def _version(distribution: str) -> str:
+    """The installed version of a distribution, "?" when it is not installed."""
     try:
         return importlib.metadata.version(distribution)
     except importlib.metadata.PackageNotFoundError:
@@ -108,20 +132,30 @@ VARIANTS: dict[str, str] = {
     "celery-singleton": f"celery-singleton {_version('celery-singleton')} (`base=Singleton`)",
     "celery-once": f"celery-once {_version('celery-once')} (`base=QueueOnce`)",
 }
+LOCK_CLIENTS: dict[str, int] = {"client-1": 1, "client-5": 5}  # the lock client alone: nodes
+CLIENT_OF: dict[str, str] = {"redlock-1": "client-1", "redlock-5": "client-5"}
 BASELINE = "plain"
-CANDIDATE = "-candidate"  # variants whose worker imports celery_redlock from --candidate
+CANDIDATE = "-candidate"  # runs whose process imports celery_redlock from --candidate
 TARGETS = ("redlock-1", "redlock-5")
-TARGET_RATIO = 0.85
+TARGET_RATIO = 0.9
+TARGET_INTEGRATION_CPU_US = 50.0
 LOCK_NODES = 5
 
-NOOP = "bench.noop"
-GATE = "bench.gate"
-REPORT = "bench.report"
+NOOP = "benchmark.noop"
+REPORT = "benchmark.report"
+APP_MODULE = Path(__file__).stem  # the workers run ``celery -A bench_celery:app``
 
-GATE_TIMEOUT = 120  # seconds a gate waits for "go" before letting the worker run anyway
-BATCH_TIMEOUT = 300.0  # seconds the harness waits for one batch's report
-WORKER_STOP_TIMEOUT = 15.0
-BATCH_ATTEMPTS = 3  # a batch whose calls did not all succeed is run again, at most this often
+# Environment of a worker or lock client process.
+VARIANT_VARIABLE = "BENCH_CELERY_VARIANT"
+BROKER_VARIABLE = "BENCH_CELERY_BROKER"
+NODES_VARIABLE = "BENCH_CELERY_NODES"
+CPUS_VARIABLE = "BENCH_CELERY_CPUS"
+PROFILE_VARIABLE = "BENCH_CELERY_PROFILE"
+PROFILE_TIMER_VARIABLE = "BENCH_CELERY_PROFILE_TIMER"
+
+RUN_TIMEOUT = 300.0  # seconds one run may take once its worker or lock client started
+RUN_ATTEMPTS = 3  # a run whose calls did not all succeed is run again, at most this often
+CLIENT_WARMUP = 20  # acquire + release pairs the lock client runs before it measures
 
 
 # -- the apps (built the same way in the harness, which publishes, and in each worker) --------
@@ -131,31 +165,35 @@ def noop(i: int) -> None:
     """The measured task: nothing at all."""
 
 
-def queue_name(variant: str) -> str:
-    return f"bench.{variant}"
-
-
 def base_variant(variant: str) -> str:
-    """``redlock-1`` for ``redlock-1-candidate``: which task the variant runs."""
+    """``redlock-1`` for ``redlock-1-candidate``: which task (or lock client) the run uses."""
     return variant.removesuffix(CANDIDATE)
 
 
 def label(variant: str) -> str:
-    return VARIANTS[base_variant(variant)] + (", candidate" if variant.endswith(CANDIDATE) else "")
+    """The variant's name in the report."""
+    kind = base_variant(variant)
+    name = VARIANTS[kind] if kind in VARIANTS else f"lock client alone, {LOCK_CLIENTS[kind]} node"
+    if kind in LOCK_CLIENTS and LOCK_CLIENTS[kind] > 1:
+        name += "s"
+    return name + (", candidate" if variant.endswith(CANDIDATE) else "")
+
+
+def node_urls_of(variant: str, node_urls: list[str]) -> list[str]:
+    """The lock nodes a variant's locks use: all five for ``redlock-5`` and ``client-5``, else
+    node 0 (celery-singleton and celery-once keep their locks there too)."""
+    return node_urls if base_variant(variant) in ("redlock-5", "client-5") else node_urls[:1]
 
 
 def build_app(variant: str, broker_url: str, node_urls: list[str]) -> Celery:
-    """The Celery app of one variant: ``noop`` with the variant's base, plus ``gate``/``report``."""
+    """The Celery app of one variant: ``noop`` with the variant's base, and ``report``."""
     app = Celery(f"bench_{variant.replace('-', '_')}", broker=broker_url, set_as_current=False)
     kind = base_variant(variant)
     app.conf.update(
-        task_default_queue=queue_name(variant),
         task_ignore_result=True,
         broker_connection_retry_on_startup=True,
         worker_hijack_root_logger=True,
-        # celery_redlock: the variant's lock nodes (redlock-1: node 0, redlock-5: nodes 0-4).
-        redlock_urls=node_urls[:1] if kind != "redlock-5" else node_urls,
-        # celery-singleton and celery-once: their Redis backend on lock node 0.
+        redlock_urls=node_urls_of(variant, node_urls),
         singleton_backend_url=node_urls[0],
         ONCE={
             "backend": "celery_once.backends.Redis",
@@ -173,136 +211,164 @@ def build_app(variant: str, broker_url: str, node_urls: list[str]) -> Celery:
         app.task(base=QueueOnce, **options)(noop)
     else:
         raise ValueError(f"unknown variant {variant!r}")
-    app.task(name=GATE, ignore_result=True)(_gate)
     app.task(name=REPORT, ignore_result=True)(_report)
     return app
 
 
-# -- inside the worker child -------------------------------------------------------------------
+def _pin_from_environment() -> None:
+    """Pin this process to the CPUs the harness chose (``--cpus``), if it chose any: workers and
+    lock clients go through here alike."""
+    cpus = os.environ.get(CPUS_VARIABLE)
+    if cpus:
+        os.sched_setaffinity(0, {int(cpu) for cpu in cpus.split(",")})
+
+
+# -- inside the worker -------------------------------------------------------------------------
 
 
 @dataclass
-class _ChildState:
-    """What the worker child measures; reset by every gate."""
+class _Window:
+    """What the worker measures, from the first ``noop``'s start to the last one's end."""
 
-    control: redis.Redis | None = None
-    pid: int = 0
-    started: float = 0.0
+    started: float | None = None
+    ended: float = 0.0
     cpu_started: float = 0.0
+    cpu_ended: float = 0.0
     outcomes: Counter[str] = field(default_factory=Counter)
     profile_path: str | None = None
+    profile_timer: str = "wall"
     profiler: cProfile.Profile | None = None
 
 
-_CHILD = _ChildState()
+_WINDOW = _Window()
 
 
-def _count_outcome(sender: Any = None, state: str | None = None, **_: Any) -> None:
+def _on_task_prerun(sender: Any = None, **_: Any) -> None:
+    """``task_prerun`` receiver, the same in every variant: the window starts with the first
+    ``noop``."""
+    if _WINDOW.started is None and getattr(sender, "name", None) == NOOP:
+        if _WINDOW.profile_path:
+            _WINDOW.profiler = (
+                cProfile.Profile(time.thread_time)  # the worker's thread: its CPU, no waits
+                if _WINDOW.profile_timer == "cpu"
+                else cProfile.Profile()
+            )
+            _WINDOW.profiler.enable()
+        _WINDOW.cpu_started = time.process_time()
+        _WINDOW.started = time.perf_counter()
+
+
+def _on_task_postrun(sender: Any = None, state: str | None = None, **_: Any) -> None:
+    """``task_postrun`` receiver, the same in every variant: counts outcomes, and the window
+    ends with the last ``noop``."""
     if getattr(sender, "name", None) == NOOP:
-        _CHILD.outcomes[state or "?"] += 1
+        _WINDOW.ended = time.perf_counter()
+        _WINDOW.cpu_ended = time.process_time()
+        _WINDOW.outcomes[state or "?"] += 1
 
 
-def _gate(control_url: str, go_key: str) -> None:
-    """Hold the worker until the harness pushes to ``go_key``; the window starts on return."""
-    if _CHILD.control is None or _CHILD.pid != os.getpid():
-        # redis-py 8 times reads out after 5 s by default; BLPOP may block longer.
-        _CHILD.control = redis.Redis.from_url(control_url, socket_timeout=GATE_TIMEOUT + 10)
-        _CHILD.pid = os.getpid()
-    _CHILD.control.blpop([go_key], timeout=GATE_TIMEOUT)
-    _CHILD.outcomes = Counter()
-    if _CHILD.profile_path:
-        _CHILD.profiler = cProfile.Profile()
-        _CHILD.profiler.enable()
-    _CHILD.cpu_started = time.process_time()
-    _CHILD.started = time.perf_counter()
-
-
-def _report(report_key: str) -> None:
-    """End the window and send the measurements to the harness."""
-    ended = time.perf_counter()
-    cpu_ended = time.process_time()
-    profiler, _CHILD.profiler = _CHILD.profiler, None
-    if profiler is not None and _CHILD.profile_path:
+def _report(report_key: str, broker_url: str) -> None:
+    """Queued behind the calls: send the window's numbers to the harness, once."""
+    profiler, _WINDOW.profiler = _WINDOW.profiler, None
+    if profiler is not None and _WINDOW.profile_path:
         profiler.disable()
-        profiler.dump_stats(_CHILD.profile_path)
-    assert _CHILD.control is not None, "report ran before any gate"
+        profiler.dump_stats(_WINDOW.profile_path)
     measurement = {
-        "seconds": ended - _CHILD.started,
-        "cpu_seconds": cpu_ended - _CHILD.cpu_started,
-        "pid": os.getpid(),
-        "gate_pid": _CHILD.pid,
-        "outcomes": dict(_CHILD.outcomes),
+        "seconds": _WINDOW.ended - (_WINDOW.started or _WINDOW.ended),
+        "cpu_seconds": _WINDOW.cpu_ended - _WINDOW.cpu_started,
+        "outcomes": dict(_WINDOW.outcomes),
+        "package": os.path.dirname(os.path.abspath(celery_redlock.__file__)),
     }
-    _CHILD.control.rpush(report_key, json.dumps(measurement))
+    client = redis.Redis.from_url(broker_url)
+    try:
+        client.rpush(report_key, json.dumps(measurement))
+    finally:
+        client.close()
 
 
-def _stop_when_orphaned() -> None:
-    """Warm-shut this worker down if the harness dies without stopping it (SIGKILL)."""
-    parent = os.getppid()
-    while os.getppid() == parent:
-        time.sleep(1.0)
-    os.kill(os.getpid(), signal.SIGTERM)
-
-
-def run_worker(variant: str, broker_url: str, node_urls: list[str], optimization: str) -> None:
-    """The worker process of one variant (``--worker``): a real ``celery worker``."""
-    threading.Thread(target=_stop_when_orphaned, name="bench-orphan-watch", daemon=True).start()
-    app = build_app(variant, broker_url, node_urls)
-    _CHILD.profile_path = os.environ.get("BENCH_CELERY_PROFILE") or None
-    signals.task_postrun.connect(_count_outcome, weak=False)
-    app.worker_main(
-        [
-            "worker",
-            "--pool=prefork",
-            "--concurrency=1",
-            f"--optimization={optimization}",
-            "--loglevel=WARNING",
-            "--without-gossip",
-            "--without-mingle",
-            "--without-heartbeat",
-            f"--hostname=bench-{variant}@%h",
-            f"--queues={queue_name(variant)}",
-        ]
+def __getattr__(name: str) -> Any:
+    """``app`` in a worker process (``celery -A bench_celery:app``): the app of the variant the
+    harness chose in the environment, with the window's receivers connected."""
+    if name != "app":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    _pin_from_environment()
+    app = build_app(
+        os.environ[VARIANT_VARIABLE],
+        os.environ[BROKER_VARIABLE],
+        os.environ[NODES_VARIABLE].split(","),
     )
+    _WINDOW.profile_path = os.environ.get(PROFILE_VARIABLE) or None
+    _WINDOW.profile_timer = os.environ.get(PROFILE_TIMER_VARIABLE) or "wall"
+    signals.task_prerun.connect(_on_task_prerun, weak=False)
+    signals.task_postrun.connect(_on_task_postrun, weak=False)
+    globals()["app"] = app
+    return app
+
+
+# -- the lock client alone (``--lock-client``, its own process) -------------------------------
+
+
+def run_lock_client(node_urls: list[str], pairs: int, output: Path) -> None:
+    """``pairs`` times ``Redlock(urls).acquire`` + ``release`` on distinct resources; writes
+    the wall and CPU seconds they took, and how many acquisitions failed, to ``output``."""
+    _pin_from_environment()
+    redlock = Redlock(node_urls)
+    ttl = RedlockSettings.ttl  # what an app without redlock_ttl uses
+    prefix = f"benchmark.client.{os.getpid()}."
+
+    def pairs_of(resources: range) -> int:
+        """Acquire and release each resource; return how many acquisitions failed."""
+        failures = 0
+        for index in resources:
+            lock = redlock.acquire(f"{prefix}{index}", ttl)
+            if lock is None:
+                failures += 1
+            else:
+                redlock.release(lock)
+        return failures
+
+    pairs_of(range(-CLIENT_WARMUP, 0))  # connections, scripts loaded
+    cpu_started = time.process_time()
+    started = time.perf_counter()
+    failures = pairs_of(range(pairs))
+    seconds = time.perf_counter() - started
+    cpu_seconds = time.process_time() - cpu_started
+    redlock.close()
+    measurement = {
+        "seconds": seconds,
+        "cpu_seconds": cpu_seconds,
+        "outcomes": {"SUCCESS": pairs - failures, **({"held": failures} if failures else {})},
+        "package": os.path.dirname(os.path.abspath(celery_redlock.__file__)),
+    }
+    output.write_text(json.dumps(measurement))
 
 
 # -- the harness -------------------------------------------------------------------------------
 
 
-class BatchFailed(RuntimeError):
-    """A batch did not run cleanly (timeout, worker gone, a replaced worker child)."""
+class RunFailed(RuntimeError):
+    """A run did not finish cleanly (timeout, a process gone, the wrong package imported)."""
 
 
-class BatchOutcomes(BatchFailed):
-    """Some calls of a batch did not succeed (failed, retried, skipped): worth a note, and a
-    repeat of the batch, rather than the end of the benchmark."""
+class RunOutcomes(RunFailed):
+    """Some calls of a run did not succeed (failed, retried, skipped, missing): worth a note, and
+    a repeat of the run, rather than the end of the benchmark."""
 
     def __init__(self, variant: str, outcomes: dict[str, int], log_tail: str) -> None:
-        super().__init__(f"worker {variant}: not every call succeeded: {outcomes}\n{log_tail}")
+        super().__init__(f"{variant}: not every call succeeded: {outcomes}\n{log_tail}")
         self.variant = variant
         self.outcomes = outcomes
 
 
 @dataclass(frozen=True)
 class Sample:
-    """One batch: tasks per second, and CPU microseconds per task of the worker's main process,
-    of its pool child and of the lock nodes (all five together; idle nodes cost next to nothing).
-    """
+    """One run: calls per second in the window, CPU microseconds per call of the worker (or the
+    lock client) and of the lock nodes, and the machine's 1-minute load average at its start."""
 
     rate: float
-    main_cpu_us: float
-    child_cpu_us: float
+    cpu_us: float
     node_cpu_us: float
-
-
-def _process_cpu_seconds(pid: int) -> float:
-    """CPU time (user + system) of one process so far, from /proc; NaN where there is none."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    except OSError:
-        return float("nan")
-    # After the command name: state is field 3, utime and stime are fields 14 and 15.
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    load: float
 
 
 def _redis_cpu_seconds(servers: RedisNodes) -> float:
@@ -311,253 +377,304 @@ def _redis_cpu_seconds(servers: RedisNodes) -> float:
     for server in servers:
         client = server.client()
         try:
-            info = client.info("cpu")
+            cpu = client.info("cpu")
         finally:
             client.close()
-        total += float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+        total += float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"])
     return total
 
 
-class Worker:
-    """One worker subprocess for one variant, plus the harness-side app that publishes to it."""
+@dataclass
+class Benchmark:
+    """What every run shares: the servers, the harness-side apps and the processes' setup."""
 
-    def __init__(
-        self,
-        variant: str,
-        broker: RedisServer,
-        nodes: RedisNodes,
-        optimization: str,
-        log_dir: Path,
-        profile_dir: Path | None,
-        candidate: Path | None = None,
-    ) -> None:
-        node_urls = nodes.urls
-        self.variant = variant
-        self.broker = broker
-        self.nodes = nodes
-        self.app = build_app(variant, broker.url, node_urls)
-        self.noop = self.app.tasks[NOOP]
-        self.log_path = log_dir / f"worker-{variant}.log"
-        environment = dict(os.environ)
-        environment.pop("BENCH_CELERY_PROFILE", None)
+    broker: RedisServer
+    nodes: RedisNodes
+    directory: Path  # logs, lock client outputs, and the processes' working directory
+    cpus: str
+    candidate: Path | None
+    profile_timer: str = "wall"
+    apps: dict[str, Celery] = field(default_factory=dict)
+    runs: Iterator[int] = field(default_factory=itertools.count)
+    next_argument: int = 0  # no two calls ever get the same arguments
+
+    def app(self, variant: str) -> Celery:
+        """The harness-side app of a variant, which publishes its calls."""
+        if variant not in self.apps:
+            self.apps[variant] = build_app(variant, self.broker.url, self.nodes.urls)
+        return self.apps[variant]
+
+    def python_path(self, variant: str) -> list[Path]:
+        """The entries first on a process's path: the candidate's for candidate runs, and this
+        script's directory (for ``celery -A bench_celery:app``)."""
+        entries = [Path(__file__).resolve().parent]
         if variant.endswith(CANDIDATE):
-            assert candidate is not None
-            # The candidate's directory first on the path: its celery_redlock wins the import.
-            path = environment.get("PYTHONPATH")
-            environment["PYTHONPATH"] = os.pathsep.join(
-                [str(candidate.resolve())] + ([path] if path else [])
-            )
-        if profile_dir is not None:
-            environment["BENCH_CELERY_PROFILE"] = str(profile_dir / f"{variant}.pstats")
-        command = [
-            sys.executable,
-            os.path.abspath(__file__),
-            "--worker",
-            variant,
-            "--broker",
-            broker.url,
-            "--nodes",
-            ",".join(node_urls),
-            "--optimization",
-            optimization,
-        ]
-        with open(self.log_path, "wb") as log:
-            self.process = subprocess.Popen(
-                command,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=environment,
-                start_new_session=True,  # its own process group: the prefork child stops with it
-            )
-        self._batches = itertools.count()
-        self._pending_go: str | None = None  # the go key of a batch in flight
+            assert self.candidate is not None
+            entries.insert(0, self.candidate)
+        return entries
 
-    def log_tail(self, lines: int = 30) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError:
-            return "(no log)"
-        return "\n".join(text.splitlines()[-lines:])
+    def environment(self, variant: str, profile: Path | None) -> dict[str, str]:
+        """The variables a worker or lock client process of ``variant`` gets."""
+        return {
+            VARIANT_VARIABLE: variant,
+            BROKER_VARIABLE: self.broker.url,
+            NODES_VARIABLE: ",".join(self.nodes.urls),
+            CPUS_VARIABLE: self.cpus,
+            PROFILE_VARIABLE: str(profile) if profile is not None else "",
+            PROFILE_TIMER_VARIABLE: self.profile_timer,
+        }
 
-    def run_batch(self, tasks: int, first_argument: int) -> Sample:
-        """Publish gate, ``tasks`` no-ops and report; let them run; return what was measured."""
-        if self.process.poll() is not None:
-            raise BatchFailed(f"worker {self.variant} exited:\n{self.log_tail()}")
-        batch = next(self._batches)
-        go_key = f"bench:go:{self.variant}:{batch}"
-        report_key = f"bench:report:{self.variant}:{batch}"
-        control = self.broker.client(socket_timeout=BATCH_TIMEOUT + 10)  # BLPOP blocks long
-        self._pending_go = go_key
+    def check_package(self, variant: str, package: str) -> None:
+        """Raise unless the process imported the celery_redlock its variant is about."""
+        expected = (
+            self.candidate / "celery_redlock"
+            if variant.endswith(CANDIDATE) and self.candidate is not None
+            else Path(celery_redlock.__file__).resolve().parent
+        )
+        if Path(package).resolve() != expected.resolve():
+            raise RunFailed(f"{variant}: the process imported {package}, not {expected}")
+
+    def run(self, variant: str, calls: int, profile: Path | None = None) -> Sample:
+        """One run of a worker variant or of a lock client."""
+        if base_variant(variant) in LOCK_CLIENTS:
+            return self.run_lock_client(variant, calls)
+        return self.run_worker(variant, calls, profile)
+
+    def run_worker(self, variant: str, calls: int, profile: Path | None) -> Sample:
+        """Publish ``calls`` no-ops and a report to a fresh queue, then start a solo worker on it;
+        return what its window measured."""
+        run = next(self.runs)
+        queue = f"benchmark.{variant}.{run}"
+        report_key = f"bench:report:{run}"
+        app = self.app(variant)
+        first, self.next_argument = self.next_argument, self.next_argument + calls
+        with app.producer_or_acquire() as producer:
+            for argument in range(first, first + calls):
+                app.tasks[NOOP].apply_async((argument,), queue=queue, producer=producer)
+            app.tasks[REPORT].apply_async(
+                (report_key, self.broker.url), queue=queue, producer=producer
+            )
+        load = os.getloadavg()[0]
+        node_cpu = _redis_cpu_seconds(self.nodes)
+        worker = CeleryWorker(
+            f"{APP_MODULE}:app",
+            f"bench-{variant}-{run}@localhost",
+            pool="solo",
+            concurrency=1,
+            loglevel="WARNING",
+            queues=[queue],
+            environment=self.environment(variant, profile),
+            python_path=self.python_path(variant),
+            working_directory=self.directory,  # not the repository: the candidate must win
+            log_path=self.directory / f"worker-{run}-{variant}.log",
+        )
+        control = self.broker.client(socket_timeout=10.0)
         try:
-            with self.app.producer_or_acquire() as producer:
-                self.app.tasks[GATE].apply_async((self.broker.url, go_key), producer=producer)
-                for i in range(first_argument, first_argument + tasks):
-                    self.noop.apply_async((i,), producer=producer)
-                self.app.tasks[REPORT].apply_async((report_key,), producer=producer)
-            node_cpu = _redis_cpu_seconds(self.nodes)
-            main_cpu = _process_cpu_seconds(self.process.pid)
-            control.rpush(go_key, "go")
-            reply = control.blpop([report_key], timeout=BATCH_TIMEOUT)
-            main_cpu = _process_cpu_seconds(self.process.pid) - main_cpu
-            node_cpu = _redis_cpu_seconds(self.nodes) - node_cpu
-            self._pending_go = None
+            with celery_processes() as processes:
+                processes.append(worker.start())
+                reply = self._wait_for_report(control, report_key, worker)
+                node_cpu = _redis_cpu_seconds(self.nodes) - node_cpu
+                log_tail = worker.log_tail(10)
+                # The window is over and every message acknowledged: no need to wait for a warm
+                # shutdown (about a second here). SIGKILL to the worker's process group.
+                worker.kill()
+            control.delete(queue)
         finally:
             control.close()
-        if reply is None:
-            raise BatchFailed(
-                f"worker {self.variant}: no report within {BATCH_TIMEOUT:.0f}s:\n{self.log_tail()}"
-            )
-        measurement = json.loads(reply[1])
-        if measurement["pid"] != measurement["gate_pid"]:
-            raise BatchFailed(f"worker {self.variant}: the child was replaced during the batch")
-        if measurement["outcomes"] != {"SUCCESS": tasks}:
-            raise BatchOutcomes(self.variant, measurement["outcomes"], self.log_tail(10))
+        measurement = json.loads(reply)
+        self.check_package(variant, measurement["package"])
+        if measurement["outcomes"] != {"SUCCESS": calls}:
+            raise RunOutcomes(variant, measurement["outcomes"], log_tail)
         return Sample(
-            rate=tasks / measurement["seconds"],
-            main_cpu_us=main_cpu / tasks * 1e6,
-            child_cpu_us=measurement["cpu_seconds"] / tasks * 1e6,
-            node_cpu_us=node_cpu / tasks * 1e6,
+            rate=calls / measurement["seconds"],
+            cpu_us=measurement["cpu_seconds"] / calls * 1e6,
+            node_cpu_us=node_cpu / calls * 1e6,
+            load=load,
         )
 
-    def request_stop(self) -> None:
-        """Start a warm shutdown (SIGTERM), first letting a gate that still holds the child go."""
-        if self.process.poll() is not None:
-            return
-        if self._pending_go is not None:
-            with contextlib.suppress(redis.RedisError, OSError):
-                client = self.broker.client(socket_timeout=1.0)
-                try:
-                    client.rpush(self._pending_go, "go")
-                finally:
-                    client.close()
-        with contextlib.suppress(ProcessLookupError):
-            self.process.send_signal(signal.SIGTERM)
+    @staticmethod
+    def _wait_for_report(control: redis.Redis, report_key: str, worker: CeleryWorker) -> str:
+        """The report the worker sends at the end of its run (``RunFailed`` if it exits or
+        takes too long first)."""
+        deadline = time.monotonic() + RUN_TIMEOUT
+        while time.monotonic() < deadline:
+            reply = control.blpop([report_key], timeout=1)
+            if reply is not None:
+                value = reply[1]
+                return value.decode() if isinstance(value, bytes) else str(value)
+            try:
+                worker.check_alive()
+            except ProcessExitedError as error:
+                raise RunFailed(str(error)) from None
+        raise RunFailed(
+            f"{worker.label}: no report within {RUN_TIMEOUT:.0f}s; end of its log:\n"
+            f"{worker.log_tail()}"
+        )
 
-    def wait_stopped(self) -> None:
-        """Wait for the warm shutdown; the whole process group is killed if it takes too long."""
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.process.wait(WORKER_STOP_TIMEOUT)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.process.pid, signal.SIGKILL)  # the group this script started
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.process.wait(5)
+    def run_lock_client(self, variant: str, pairs: int) -> Sample:
+        """The lock client alone, in its own process, ``pairs`` acquire + release pairs."""
+        run = next(self.runs)
+        output = self.directory / f"client-{run}-{variant}.json"
+        urls = node_urls_of(variant, self.nodes.urls)
+        process = ManagedProcess(
+            [
+                sys.executable,
+                os.path.abspath(__file__),
+                "--lock-client",
+                ",".join(urls),
+                "--tasks",
+                str(pairs),
+                "--output",
+                str(output),
+            ],
+            environment=self.environment(variant, None),
+            python_path=self.python_path(variant)[:-1],  # the script's directory comes first
+            working_directory=self.directory,
+            log_path=self.directory / f"client-{run}-{variant}.log",
+            label=variant,
+        )
+        load = os.getloadavg()[0]
+        node_cpu = _redis_cpu_seconds(self.nodes)
+        with celery_processes() as processes:
+            processes.append(process.start())
+            try:
+                status = process.wait(RUN_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                raise RunFailed(f"{variant}: not done within {RUN_TIMEOUT:.0f}s") from None
+            node_cpu = _redis_cpu_seconds(self.nodes) - node_cpu
+            if status != 0 or not output.is_file():
+                raise RunFailed(f"{variant} exited with {status}:\n{process.log_tail()}")
+        measurement = json.loads(output.read_text())
+        self.check_package(variant, measurement["package"])
+        if measurement["outcomes"] != {"SUCCESS": pairs}:
+            raise RunOutcomes(variant, measurement["outcomes"], process.log_tail(10))
+        # The nodes' CPU here includes the warm-up and the process's start and exit: small.
+        return Sample(
+            rate=pairs / measurement["seconds"],
+            cpu_us=measurement["cpu_seconds"] / pairs * 1e6,
+            node_cpu_us=node_cpu / pairs * 1e6,
+            load=load,
+        )
 
 
 @dataclass
 class Results:
+    """Every measured run, by variant (workers and lock clients), in round order."""
+
     tasks: int
     warmup: int
     rounds: int
-    optimization: str
-    samples: dict[str, list[float]]
-    main_cpu_us: dict[str, list[float]]
-    cpu_us: dict[str, list[float]]
-    node_cpu_us: dict[str, list[float]]
+    cpus: str
+    samples: dict[str, list[Sample]]
     orders: list[list[str]]
-    failures: list[BatchOutcomes]
+    failures: list[RunOutcomes]
+    load_before: float
+    load_after: float
+    seconds: float = 0.0
 
-    def median(self, variant: str) -> float:
-        return statistics.median(self.samples[variant])
+    def workers(self) -> list[str]:
+        """The worker variants, in the order of the table."""
+        return [name for name in self.samples if base_variant(name) in VARIANTS]
+
+    def clients(self) -> list[str]:
+        """The lock client runs, in the order of the table."""
+        return [name for name in self.samples if base_variant(name) in LOCK_CLIENTS]
+
+    def median(self, variant: str, attribute: str = "rate") -> float:
+        """The median over rounds of one of a variant's `Sample` attributes."""
+        return float(
+            statistics.median(getattr(sample, attribute) for sample in self.samples[variant])
+        )
 
     def ratio(self, variant: str) -> float:
+        """The variant's median rate over plain's."""
         return self.median(variant) / self.median(BASELINE)
 
     def overhead_us(self, variant: str) -> float:
+        """Microseconds per call over plain, from the median rates."""
         return (1 / self.median(variant) - 1 / self.median(BASELINE)) * 1e6
+
+    def integration_cpu_us(self, variant: str) -> list[float]:
+        """Per round: the variant's worker CPU per call minus plain's minus its lock client's."""
+        client = CLIENT_OF[base_variant(variant)] + (
+            CANDIDATE if variant.endswith(CANDIDATE) else ""
+        )
+        return [
+            own.cpu_us - plain.cpu_us - alone.cpu_us
+            for own, plain, alone in zip(
+                self.samples[variant], self.samples[BASELINE], self.samples[client], strict=True
+            )
+        ]
 
 
 def run_benchmark(
-    variants: list[str],
-    tasks: int,
-    warmup: int,
-    rounds: int,
-    optimization: str,
-    profile_dir: Path | None,
-    candidate: Path | None = None,
+    benchmark: Benchmark, variants: list[str], tasks: int, warmup: int, rounds: int, cpus: str
 ) -> Results:
-    samples: dict[str, list[float]] = {variant: [] for variant in variants}
-    main_cpu_us: dict[str, list[float]] = {variant: [] for variant in variants}
-    cpu_us: dict[str, list[float]] = {variant: [] for variant in variants}
-    node_cpu_us: dict[str, list[float]] = {variant: [] for variant in variants}
+    """Warm-up runs, then ``rounds`` rounds of every variant once, rotated every round."""
+    samples: dict[str, list[Sample]] = {variant: [] for variant in variants}
     orders: list[list[str]] = []
-    failures: list[BatchOutcomes] = []
-    arguments = itertools.count(step=max(tasks, warmup))
+    failures: list[RunOutcomes] = []
+    load_before = os.getloadavg()[0]
+    started = time.monotonic()
 
-    def batch(worker: Worker, size: int) -> Sample:
-        """One batch; one whose calls did not all succeed is noted and run again."""
+    def run(variant: str, calls: int) -> Sample:
+        """One run; one whose calls did not all succeed is noted and run again."""
         for attempt in itertools.count(1):
             try:
-                return worker.run_batch(size, next(arguments))
-            except BatchOutcomes as failure:
+                return benchmark.run(variant, calls)
+            except RunOutcomes as failure:
                 failures.append(failure)
-                print(f"batch failed, attempt {attempt}: {failure}", file=sys.stderr)
-                if attempt == BATCH_ATTEMPTS:
+                print(f"run failed, attempt {attempt}: {failure}", file=sys.stderr)
+                if attempt == RUN_ATTEMPTS:
                     raise
         raise AssertionError("unreachable")
 
-    with (
-        tempfile.TemporaryDirectory(prefix="bench-celery-") as log_dir,
-        RedisServer() as broker,
-        RedisNodes(LOCK_NODES) as nodes,
-    ):
-        workers: list[Worker] = []
-        try:
-            for variant in variants:
-                workers.append(
-                    Worker(
-                        variant,
-                        broker,
-                        nodes,
-                        optimization,
-                        Path(log_dir),
-                        profile_dir,
-                        candidate,
-                    )
-                )
-            for worker in workers:
-                print(f"warming up {worker.variant} ({warmup} tasks)", file=sys.stderr)
-                batch(worker, warmup)
-            for round_index in range(rounds):
-                shift = round_index % len(workers)
-                order = workers[shift:] + workers[:shift]
-                orders.append([worker.variant for worker in order])
-                for worker in order:
-                    sample = batch(worker, tasks)
-                    samples[worker.variant].append(sample.rate)
-                    main_cpu_us[worker.variant].append(sample.main_cpu_us)
-                    cpu_us[worker.variant].append(sample.child_cpu_us)
-                    node_cpu_us[worker.variant].append(sample.node_cpu_us)
-                    print(
-                        f"round {round_index + 1}/{rounds} {worker.variant}: "
-                        f"{sample.rate:,.0f} tasks/s, CPU µs/task: worker main "
-                        f"{sample.main_cpu_us:.0f}, child {sample.child_cpu_us:.0f}, "
-                        f"lock nodes {sample.node_cpu_us:.0f}",
-                        file=sys.stderr,
-                    )
-        finally:
-            for worker in workers:
-                worker.request_stop()
-            for worker in workers:
-                worker.wait_stopped()
+    if warmup:
+        for variant in variants:
+            print(f"warming up {variant} ({warmup} calls)", file=sys.stderr)
+            run(variant, warmup)
+    for round_index in range(rounds):
+        shift = round_index % len(variants)
+        order = variants[shift:] + variants[:shift]
+        orders.append(order)
+        for variant in order:
+            sample = run(variant, tasks)
+            samples[variant].append(sample)
+            print(
+                f"round {round_index + 1}/{rounds} {variant}: {sample.rate:,.0f}/s, CPU µs per "
+                f"call: {sample.cpu_us:.0f}, lock nodes {sample.node_cpu_us:.0f} "
+                f"(load {sample.load:.1f})",
+                file=sys.stderr,
+            )
     return Results(
         tasks,
         warmup,
         rounds,
-        optimization,
+        cpus,
         samples,
-        main_cpu_us,
-        cpu_us,
-        node_cpu_us,
         orders,
         failures,
+        load_before,
+        os.getloadavg()[0],
+        time.monotonic() - started,
     )
+
+
+def run_profiles(benchmark: Benchmark, variants: list[str], tasks: int, directory: Path) -> None:
+    """One more run of every worker variant with cProfile on in the worker (not in the table)."""
+    for variant in variants:
+        if base_variant(variant) not in VARIANTS:
+            continue
+        path = directory / f"{variant}.pstats"
+        print(f"profiling {variant} ({tasks} calls) into {path}", file=sys.stderr)
+        benchmark.run_worker(variant, tasks, path)
 
 
 # -- the report --------------------------------------------------------------------------------
 
 
 def _redis_server_version() -> str:
+    """The version of the redis-server binary the benchmark starts."""
     try:
         output = subprocess.run(
             [find_redis_server(), "--version"], capture_output=True, text=True, timeout=10
@@ -570,13 +687,8 @@ def _redis_server_version() -> str:
     return output.strip() or "?"
 
 
-def _package_directory() -> str:
-    import celery_redlock
-
-    return os.path.dirname(os.path.abspath(celery_redlock.__file__))
-
-
 def environment() -> dict[str, str]:
+    """Versions and machine, for the report."""
     return {
         "python": platform.python_version(),
         "platform": platform.platform(),
@@ -585,52 +697,116 @@ def environment() -> dict[str, str]:
         "kombu": _version("kombu"),
         "redis-py": _version("redis"),
         "redis-server": _redis_server_version(),
-        "celery-redlock": f"{_version('celery-redlock')} from {_package_directory()}",
+        "celery-redlock": f"{_version('celery-redlock')} from "
+        f"{os.path.dirname(os.path.abspath(celery_redlock.__file__))}",
         "celery-singleton": _version("celery-singleton"),
         "celery-once": _version("celery-once"),
     }
 
 
+def source_digest(package: Path) -> str:
+    """A short digest of a package's Python sources, to tell which code a report measured
+    (other people may be editing it while the benchmark runs)."""
+    digest = hashlib.sha256()
+    for path in sorted(package.rglob("*.py")):
+        digest.update(str(path.relative_to(package)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+def _spread(values: list[float], digits: int = 0) -> str:
+    """``min - max`` of the values."""
+    return f"{min(values):,.{digits}f} - {max(values):,.{digits}f}"
+
+
 def markdown(results: Results) -> str:
+    """The report: three tables, the checks of the targets, failures and the machine's load."""
+    plural = "s" if "," in results.cpus else ""
+    pinned = f"pinned to CPU{plural} {results.cpus}" if results.cpus else "not pinned"
     lines = [
-        f"One worker: prefork, concurrency 1, -O {results.optimization}; "
-        f"{results.tasks} no-op tasks per batch, {results.rounds} interleaved rounds "
-        f"(after a {results.warmup}-task warm-up per worker); median over rounds.",
+        f"One worker per run: `-P solo -c 1` ({pinned}), started after its {results.tasks} "
+        f"no-op calls were queued; first call's start to last call's end; "
+        f"{results.rounds} interleaved rounds, medians over rounds.",
         "",
-        "| variant | tasks/s (median) | min - max | ratio to plain | µs/task over plain "
-        "| CPU µs/task: worker main / child / lock nodes |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| variant | tasks/s | min - max | x plain | µs/task over plain "
+        "| worker CPU µs/task | lock nodes CPU µs/task |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for variant, rates in results.samples.items():
+    for variant in results.workers():
+        rates = [sample.rate for sample in results.samples[variant]]
         overhead = "—" if variant == BASELINE else f"{results.overhead_us(variant):+.0f}"
         lines.append(
-            f"| {label(variant)} | {results.median(variant):,.0f} | "
-            f"{min(rates):,.0f} - {max(rates):,.0f} | {results.ratio(variant):.2f}x | {overhead} "
-            f"| {statistics.median(results.main_cpu_us[variant]):.0f} / "
-            f"{statistics.median(results.cpu_us[variant]):.0f} / "
-            f"{statistics.median(results.node_cpu_us[variant]):.0f} |"
+            f"| {label(variant)} | {results.median(variant):,.0f} | {_spread(rates)} | "
+            f"{results.ratio(variant):.2f}x | {overhead} | "
+            f"{results.median(variant, 'cpu_us'):.0f} | "
+            f"{results.median(variant, 'node_cpu_us'):.0f} |"
         )
+    if results.clients():
+        lines += [
+            "",
+            "| lock client alone: `Redlock(urls).acquire` + `release` | pairs/s | wall µs/pair "
+            "| client CPU µs/pair | lock nodes CPU µs/pair |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        for variant in results.clients():
+            lines.append(
+                f"| {label(variant)} | {results.median(variant):,.0f} | "
+                f"{1e6 / results.median(variant):.0f} | {results.median(variant, 'cpu_us'):.0f} "
+                f"| {results.median(variant, 'node_cpu_us'):.0f} |"
+            )
+    integrated = [
+        variant
+        for variant in results.workers()
+        if base_variant(variant) in CLIENT_OF
+        and CLIENT_OF[base_variant(variant)] + variant.removeprefix(base_variant(variant))
+        in results.samples
+    ]
+    if integrated:
+        lines += [
+            "",
+            "| integration CPU: worker CPU - plain's - the lock client's | µs/task (median) "
+            "| min - max |",
+            "|---|---:|---:|",
+        ]
+        for variant in integrated:
+            values = results.integration_cpu_us(variant)
+            lines.append(
+                f"| {label(variant)} | {statistics.median(values):+.0f} | {_spread(values)} |"
+            )
     lines.append("")
-    for variant in results.samples:
+    for variant in results.workers():
         if base_variant(variant) not in TARGETS:
             continue
         ratio = results.ratio(variant)
         verdict = "PASS" if ratio >= TARGET_RATIO else "MISS"
         lines.append(
-            f"- {verdict}: {label(variant)} at {ratio:.3f}x plain (target >= {TARGET_RATIO}x)"
+            f"- {verdict}: {label(variant)} at {ratio:.2f}x plain (target >= {TARGET_RATIO}x)"
+        )
+    for variant in integrated:
+        value = statistics.median(results.integration_cpu_us(variant))
+        verdict = "PASS" if value <= TARGET_INTEGRATION_CPU_US else "MISS"
+        lines.append(
+            f"- {verdict}: {label(variant)} integration CPU {value:.0f} µs per task "
+            f"(target <= {TARGET_INTEGRATION_CPU_US:.0f} µs)"
         )
     if results.failures:
         lines.append("")
         lines.append(
-            f"{len(results.failures)} batch(es) were run again because not every call succeeded "
+            f"{len(results.failures)} run(s) were run again because not every call succeeded "
             "(a correctness problem, not noise):"
         )
         lines.extend(f"- {failure.variant}: {failure.outcomes}" for failure in results.failures)
+    loads = [sample.load for samples in results.samples.values() for sample in samples]
+    lines += [
+        "",
+        f"Load average (1 min): {results.load_before:.1f} before, {statistics.median(loads):.1f} "
+        f"median at the runs' starts ({_spread(loads, 1)}), {results.load_after:.1f} after; "
+        f"{os.cpu_count()} CPUs. Rounds took {results.seconds:.0f}s.",
+    ]
     return "\n".join(lines)
 
 
 def _candidate_path_entry(candidate: Path, stack: contextlib.ExitStack[Any]) -> Path:
-    """A directory to put first on the candidate workers' path, so that ``import
+    """A directory to put first on the candidate processes' path, so that ``import
     celery_redlock`` finds the candidate: DIR itself when it contains ``celery_redlock/``, else a
     temporary directory with a ``celery_redlock`` link to the package directory DIR."""
     candidate = candidate.resolve()
@@ -641,112 +817,189 @@ def _candidate_path_entry(candidate: Path, stack: contextlib.ExitStack[Any]) -> 
     return entry
 
 
+def _json_document(results: Results, details: dict[str, str]) -> dict[str, Any]:
+    """What ``--json`` writes: every sample, and the medians and ratios of the report."""
+
+    def column(attribute: str) -> dict[str, list[float]]:
+        """One `Sample` attribute of every run, by variant."""
+        return {
+            variant: [getattr(sample, attribute) for sample in samples]
+            for variant, samples in results.samples.items()
+        }
+
+    integrated = [
+        variant
+        for variant in results.workers()
+        if base_variant(variant) in CLIENT_OF
+        and CLIENT_OF[base_variant(variant)] + variant.removeprefix(base_variant(variant))
+        in results.samples
+    ]
+    return {
+        "environment": details,
+        "tasks": results.tasks,
+        "warmup": results.warmup,
+        "rounds": results.rounds,
+        "cpus": results.cpus,
+        "orders": results.orders,
+        "rate_per_second": column("rate"),
+        "cpu_us_per_call": column("cpu_us"),
+        "lock_nodes_cpu_us_per_call": column("node_cpu_us"),
+        "load_average": column("load"),
+        "integration_cpu_us_per_task": {
+            variant: results.integration_cpu_us(variant) for variant in integrated
+        },
+        "failed_runs": [
+            {"variant": failure.variant, "outcomes": failure.outcomes}
+            for failure in results.failures
+        ],
+        "median_rate": {variant: results.median(variant) for variant in results.samples},
+        "ratio_to_plain": {variant: results.ratio(variant) for variant in results.workers()},
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tasks", type=int, default=1000, help="no-op tasks per batch")
-    parser.add_argument("--warmup", type=int, default=300, help="warm-up tasks per worker")
-    parser.add_argument("--rounds", type=int, default=9, help="interleaved rounds")
+    """Parse the arguments; run the benchmark (or, internally, one lock client)."""
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--tasks", type=int, default=3000, help="no-op calls per run")
+    parser.add_argument(
+        "--warmup", type=int, default=100, help="calls of the uncounted first run (0: none)"
+    )
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
     parser.add_argument(
         "--variants",
         default=",".join(VARIANTS),
         help=f"comma-separated subset of {', '.join(VARIANTS)} (plain is always included)",
     )
-    parser.add_argument("--optimization", choices=("default", "fair"), default="default")
+    parser.add_argument(
+        "--cpus",
+        default="",
+        metavar="LIST",
+        help="pin every worker and lock client to these CPUs (e.g. 1 or 0,1); default: not pinned",
+    )
     parser.add_argument("--json", type=Path, help="also write the samples here")
     parser.add_argument(
         "--candidate",
         type=Path,
         metavar="DIR",
         help="a directory holding another celery_redlock package (a proposed change): adds "
-        "the variants redlock-1-candidate and redlock-5-candidate, whose workers import it",
+        "redlock-1-candidate and redlock-5-candidate, whose workers import it, and their lock "
+        "clients",
     )
     parser.add_argument(
         "--profile",
         type=Path,
         metavar="DIR",
-        help="cProfile the worker children (every batch: slower, not for the table); the last "
-        "batch of each variant is kept in DIR/<variant>.pstats",
+        help="after the rounds, run every variant once more with cProfile on in the worker "
+        "(not in the table), into DIR/<variant>.pstats",
     )
-    # Internal: the worker subprocess of one variant.
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--broker", help=argparse.SUPPRESS)
-    parser.add_argument("--nodes", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    parser.add_argument(
+        "--profile-timer",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="what --profile counts: wall-clock time (waits for Redis replies included, "
+        "the default) or the worker thread's CPU time",
+    )
+    # Internal: the lock client alone, in its own process.
+    parser.add_argument("--lock-client", metavar="URLS", help=argparse.SUPPRESS)
+    parser.add_argument("--output", type=Path, help=argparse.SUPPRESS)
+    options = parser.parse_args(argv)
 
-    if args.worker:
-        run_worker(args.worker, args.broker, args.nodes.split(","), args.optimization)
+    if options.lock_client:
+        run_lock_client(options.lock_client.split(","), options.tasks, options.output)
         return 0
-    # SIGTERM unwinds like Ctrl-C: workers and redis-server processes are stopped on the way out.
+    # SIGTERM unwinds like Ctrl-C: processes and redis-server are stopped on the way out.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    # Celery reads these before its settings: a broker from the caller's environment must not
+    # win over the benchmark's own, here or in the processes it starts.
+    os.environ.pop("CELERY_BROKER_URL", None)
+    os.environ.pop("CELERY_RESULT_BACKEND", None)
 
-    variants = [BASELINE] + [name for name in args.variants.split(",") if name and name != BASELINE]
-    unknown = [name for name in variants if name not in VARIANTS]
+    workers = [BASELINE] + [
+        name for name in options.variants.split(",") if name and name != BASELINE
+    ]
+    unknown = [name for name in workers if name not in VARIANTS]
     if unknown:
         parser.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
-    if args.candidate is not None:
+    targets = [name for name in TARGETS if name in workers]
+    variants = workers + [CLIENT_OF[name] for name in targets]
+    if options.candidate is not None:
         if (
-            not (args.candidate / "__init__.py").is_file()
-            and not (args.candidate / "celery_redlock" / "__init__.py").is_file()
+            not (options.candidate / "__init__.py").is_file()
+            and not (options.candidate / "celery_redlock" / "__init__.py").is_file()
         ):
             parser.error(
-                f"--candidate {args.candidate}: neither a package directory (with __init__.py) "
+                f"--candidate {options.candidate}: neither a package directory (with __init__.py) "
                 "nor a directory containing celery_redlock/"
             )
-        chosen = [name for name in TARGETS if name in variants] or list(TARGETS)
+        chosen = targets or list(TARGETS)
         variants += [name + CANDIDATE for name in chosen]
-    if args.tasks < 1 or args.warmup < 1 or args.rounds < 1:
-        parser.error("--tasks, --warmup and --rounds must be at least 1")
-    if args.profile is not None:
-        args.profile.mkdir(parents=True, exist_ok=True)
+        variants += [CLIENT_OF[name] + CANDIDATE for name in chosen]
+    if options.tasks < 1 or options.warmup < 0 or options.rounds < 1:
+        parser.error("--tasks and --rounds must be at least 1, --warmup at least 0")
+    if options.cpus:
+        try:
+            cpus = {int(cpu) for cpu in options.cpus.split(",")}
+        except ValueError:
+            parser.error(f"--cpus {options.cpus!r}: give CPU numbers separated by commas")
+        if not cpus <= os.sched_getaffinity(0):
+            parser.error(f"--cpus {options.cpus!r}: this process may use {os.sched_getaffinity(0)}")
+    if options.profile is not None:
+        options.profile.mkdir(parents=True, exist_ok=True)
 
+    packages = {"celery_redlock": Path(celery_redlock.__file__).resolve().parent}
+    if options.candidate is not None:
+        packages["candidate"] = (
+            options.candidate / "celery_redlock"
+            if (options.candidate / "celery_redlock" / "__init__.py").is_file()
+            else options.candidate
+        ).resolve()
+    digests = {name: source_digest(path) for name, path in packages.items()}
     started = time.monotonic()
-    load_before = os.getloadavg()[0]
-    with contextlib.ExitStack() as stack:
-        candidate_path = None
-        if args.candidate is not None:
-            candidate_path = _candidate_path_entry(args.candidate, stack)
-        results = run_benchmark(
-            variants,
-            args.tasks,
-            args.warmup,
-            args.rounds,
-            args.optimization,
-            args.profile,
-            candidate_path,
+    with (
+        contextlib.ExitStack() as stack,
+        tempfile.TemporaryDirectory(prefix="bench-celery-") as directory,
+        RedisServer() as broker,
+        RedisNodes(LOCK_NODES) as nodes,
+    ):
+        candidate = None
+        if options.candidate is not None:
+            candidate = _candidate_path_entry(options.candidate, stack)
+        benchmark = Benchmark(
+            broker, nodes, Path(directory), options.cpus, candidate, options.profile_timer
         )
-    info = environment()
-    info["load average (1 min) before / after"] = f"{load_before:.1f} / {os.getloadavg()[0]:.1f}"
-    if args.candidate is not None:
-        info["candidate"] = str(args.candidate.resolve())
+        results = run_benchmark(
+            benchmark, variants, options.tasks, options.warmup, options.rounds, options.cpus
+        )
+        if options.profile is not None:
+            run_profiles(benchmark, variants, options.tasks, options.profile)
+    details = environment()
+    if options.candidate is not None:
+        details["candidate"] = str(options.candidate.resolve())
+    warnings = []
+    for name, path in packages.items():
+        digest = source_digest(path)
+        details[f"{name} sources sha256"] = digest
+        if digest != digests[name]:
+            details[f"{name} sources sha256"] = f"{digests[name]} at the start, {digest} at the end"
+            warnings.append(
+                f"WARNING: {name}'s sources ({path}) changed during the benchmark: later runs "
+                "measured other code than earlier ones; run it again."
+            )
     print()
     print(markdown(results))
+    if warnings:
+        print("\n" + "\n".join(warnings))
     print()
     print(
-        "Environment: " + ", ".join(f"{name} {value}" for name, value in info.items()),
+        "Environment: " + ", ".join(f"{name} {value}" for name, value in details.items()),
         f"\nTotal time: {time.monotonic() - started:.0f}s",
     )
-    if args.profile is not None:
-        print(f"Profiles of the last batch of each worker child: {args.profile}/<variant>.pstats")
-    if args.json is not None:
-        document = {
-            "environment": info,
-            "tasks": results.tasks,
-            "warmup": results.warmup,
-            "rounds": results.rounds,
-            "optimization": results.optimization,
-            "orders": results.orders,
-            "samples": results.samples,
-            "worker_main_cpu_us_per_task": results.main_cpu_us,
-            "child_cpu_us_per_task": results.cpu_us,
-            "lock_nodes_cpu_us_per_task": results.node_cpu_us,
-            "failed_batches": [
-                {"variant": failure.variant, "outcomes": failure.outcomes}
-                for failure in results.failures
-            ],
-            "median": {variant: results.median(variant) for variant in results.samples},
-            "ratio": {variant: results.ratio(variant) for variant in results.samples},
-        }
-        args.json.write_text(json.dumps(document, indent=2) + "\n")
+    if options.profile is not None:
+        print(
+            f"Profiles of one more run of each worker variant: {options.profile}/<variant>.pstats"
+        )
+    if options.json is not None:
+        options.json.write_text(json.dumps(_json_document(results, details), indent=2) + "\n")
     return 0
 
 
