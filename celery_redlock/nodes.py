@@ -82,6 +82,16 @@ def pack_command(*arguments: str | int | bytes) -> bytes:
 SCRIPT_LOADS = tuple(pack_command("SCRIPT", "LOAD", script.source) for script in LOADED_ON_CONNECT)
 
 
+class OwnPoolClient(redis.Redis):
+    """A redis-py client that owns its connection pool: ``close()`` (and leaving a ``with``
+    block) also closes the pool's connections, which redis-py 5.0's ``close()`` leaves open."""
+
+    def close(self) -> None:
+        """Return the client's connection and close every connection of its pool."""
+        super().close()
+        self.connection_pool.disconnect()
+
+
 class PollableConnection(Protocol):
     """A redis-py connection whose socket can be waited on with ``poll``."""
 
@@ -154,7 +164,7 @@ class Node:
         options = dict(self._connection_kwargs)
         if timeout is not None:
             options.update(socket_timeout=timeout, socket_connect_timeout=timeout)
-        return redis.Redis(
+        return OwnPoolClient(
             connection_pool=ConnectionPool(connection_class=self._connection_class, **options)
         )
 

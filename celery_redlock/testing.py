@@ -75,6 +75,8 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from .nodes import OwnPoolClient
+
 if TYPE_CHECKING:
     from celery import Celery
 
@@ -288,7 +290,7 @@ class RedisServer:
         """
         options.setdefault("password", self._password)
         options.setdefault("retry", _no_retry())
-        return redis.Redis(host=_HOST, port=self.port, **options)
+        return OwnPoolClient(host=_HOST, port=self.port, **options)
 
     # -- life cycle -----------------------------------------------------------------------
 
@@ -482,7 +484,7 @@ class RedisServer:
 
     def _serves(self, port: int, pid: int) -> bool:
         """Whether our process ``pid`` answers on ``port`` (not some other server there)."""
-        client = redis.Redis(
+        client = OwnPoolClient(
             host=_HOST,
             port=port,
             password=self._password,
