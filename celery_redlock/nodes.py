@@ -488,11 +488,19 @@ class Round:
 
 
 class LinkSet:
-    """One connection per node, owned by one thread of one process."""
+    """One connection per node, owned by one thread of one process. Its connections are closed
+    when it is dropped (its `Redlock` or its thread gone), not left to the garbage collector."""
 
     def __init__(self, nodes: Sequence[Node]) -> None:
         self.links = [Link(node) for node in nodes]
         self.pid = os.getpid()
+        weakref.finalize(self, close_links, self.links)
+
+
+def close_links(links: Sequence[Link]) -> None:
+    """Close every link's connection."""
+    for link in links:
+        link.close()
 
 
 class NodeGroup:
@@ -523,15 +531,13 @@ class NodeGroup:
         """Close this process's connections to the nodes; later rounds open new ones."""
         for links in list(self._all_sets):
             if links.pid == os.getpid():
-                for link in links.links:
-                    link.close()
+                close_links(links.links)
 
     def close_thread(self) -> None:
         """Close the calling thread's connections in this process."""
         links: LinkSet | None = getattr(self._per_thread, "links", None)
         if links is not None and links.pid == os.getpid():
-            for link in links.links:
-                link.close()
+            close_links(links.links)
 
     def run(
         self,
