@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from celery_apps.subprocesses import subprocess_app
-from celery_apps.support import LOCK_EVENTS, RunLog
+from celery_apps.support import RunLog
 from celery_redlock import SingletonTask, signals
 
 # A 0.5 s node timeout: a busy CI machine must not look like failing nodes.
@@ -87,14 +87,8 @@ def odd_key(self: SingletonTask, key: str, seconds: float) -> None:
         time.sleep(seconds)
 
 
-def _record(kind: str, **fields: Any) -> None:
-    entry = {"signal": kind, "pid": os.getpid(), "at": time.time()}
-    entry.update({name: value for name, value in fields.items() if name != "signal"})
-    LOG.add(LOCK_EVENTS, **entry)
-
-
 @signals.lock_duplicate.connect(weak=False)
 def _on_duplicate(sender: Any = None, **fields: Any) -> None:
     if getattr(sender, "app", None) is not app:  # connected in the test process too
         return
-    _record("lock_duplicate", task=getattr(sender, "name", None), **fields)
+    LOG.record_signal("lock_duplicate", task=getattr(sender, "name", None), **fields)

@@ -7,12 +7,11 @@ redelivered); runs and ``lock_duplicate`` signals are recorded in a `RunLog` on 
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
 from celery_apps.subprocesses import subprocess_app
-from celery_apps.support import LOCK_EVENTS, RunLog
+from celery_apps.support import RunLog
 from celery_redlock import SingletonTask, signals
 
 # A 0.5 s node timeout: a busy CI machine must not look like failing nodes.
@@ -53,14 +52,8 @@ def requeued_sleeper(self: SingletonTask, key: str, seconds: float) -> dict[str,
     return entry
 
 
-def _record(kind: str, **fields: Any) -> None:
-    entry = {"signal": kind, "pid": os.getpid(), "at": time.time()}
-    entry.update({name: value for name, value in fields.items() if name != "signal"})
-    LOG.add(LOCK_EVENTS, **entry)
-
-
 @signals.lock_duplicate.connect(weak=False)
 def _on_duplicate(sender: Any = None, **fields: Any) -> None:
     if getattr(sender, "app", None) is not app:  # connected in the test process too
         return
-    _record("lock_duplicate", task=getattr(sender, "name", None), **fields)
+    LOG.record_signal("lock_duplicate", task=getattr(sender, "name", None), **fields)

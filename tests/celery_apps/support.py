@@ -240,6 +240,12 @@ class RunLog(Recorder):
             raise AssertionError(f"task {task_id} did not start: {self.started()}")
         return found()[0]
 
+    def record_signal(self, kind: str, **fields: Any) -> None:
+        """Append a signal this process received to the ``LOCK_EVENTS`` stream."""
+        entry = {"signal": kind, "pid": os.getpid(), "at": time.time()}
+        entry.update({name: value for name, value in fields.items() if name != "signal"})
+        self.add(LOCK_EVENTS, **entry)
+
     def mark_ended(self, run: dict[str, Any], end: float) -> None:
         """Record the end of a run whose process was killed (it never records one itself)."""
         self.add(self.RUNS, **{**run, "end": end, "killed": True})
