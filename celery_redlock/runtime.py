@@ -55,6 +55,22 @@ class AppRuntime:
         self.keeper = LockKeeper(self.redlock)
         self._nodes_checked = False
 
+    @staticmethod
+    def installed(app: Any) -> AppRuntime | None:
+        """The runtime ``app`` holds now, or None before its first use."""
+        runtime: AppRuntime | None = app.__dict__.get(RUNTIME_ATTRIBUTE)
+        return runtime
+
+    @staticmethod
+    def install(app: Any, runtime: AppRuntime | None) -> AppRuntime | None:
+        """Give ``app`` this runtime (None: none, so the next use creates one from the app's
+        settings); returns the one it replaced. For test harnesses that keep a runtime across
+        tests with the same settings."""
+        previous: AppRuntime | None = app.__dict__.pop(RUNTIME_ATTRIBUTE, None)
+        if runtime is not None:
+            app.__dict__[RUNTIME_ATTRIBUTE] = runtime
+        return previous
+
     @classmethod
     def for_app(cls, app: Any) -> AppRuntime:
         """The app's runtime, created (and its settings validated) on first use."""
