@@ -516,6 +516,15 @@ class Redlock:
         """Send a release of ``value`` to every node without waiting for the replies."""
         self._group.run(scripts.RELEASE, (key, key + FENCE_SUFFIX), (value, 0), _is_one, wait=False)
 
+    def release_stored(self, key: str, value: str) -> int:
+        """Delete the lock at ``key`` on every node where it still holds exactly ``value`` (a
+        stored value read earlier: token and owner); returns on how many nodes it did. For
+        operators' tools that free a lock they did not take, and never anybody else's."""
+        result = self._group.run(
+            scripts.RELEASE, (key, key + FENCE_SUFFIX), (value, 0), _is_one, every=True
+        )
+        return result.successes
+
     def run_script(
         self,
         script: scripts.Script,
