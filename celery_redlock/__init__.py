@@ -5,6 +5,7 @@ whole worker fleet; `Redlock` is the lock itself, usable without Celery.
 """
 
 from .errors import (
+    AlreadyCompleted,
     ConfigurationError,
     DuplicateCoalesced,
     DuplicateSkipped,
@@ -19,6 +20,7 @@ from .settings import RedlockSettings
 from .task import SingletonTask, singleton_task
 
 __all__ = [
+    "AlreadyCompleted",
     "ConfigurationError",
     "DuplicateCoalesced",
     "DuplicateSkipped",

@@ -56,19 +56,48 @@ class DuplicateCoalesced(DuplicateSkipped):
         return f"coalesced into pending run {self.into} of lock {self.key!r}"
 
 
-class QuorumUnavailable(RedlockError):
-    """Fewer than a majority of lock nodes answered, so nothing can be decided about ``key``."""
+class AlreadyCompleted(RedlockError):
+    """A message was delivered again after its body had run (``task_id`` under lock ``key``), and
+    was acknowledged without running. It is the result stored for that task id only when the
+    result back-end knew none (the first run's result was forgotten or never stored)."""
 
-    def __init__(self, key: str, answered: int = 0, needed: int = 0) -> None:
-        super().__init__(key, answered, needed)
+    def __init__(self, key: str, task_id: str | None = None) -> None:
+        super().__init__(key, task_id)
         self.key = key
-        self.answered = answered
-        self.needed = needed
+        self.task_id = task_id
 
     def __str__(self) -> str:
         return (
+            f"task {self.task_id} was delivered again after it ran (lock {self.key!r}); "
+            "it did not run again, and its first result is not known here"
+        )
+
+
+class QuorumUnavailable(RedlockError):
+    """Fewer than a majority of lock nodes answered, so nothing can be decided about ``key``.
+
+    ``reasons`` says, per node that gave no usable answer, why (down, no reply in time, an error
+    reply such as a denied command, a reply the script cannot give, skipped while backed off).
+    """
+
+    def __init__(
+        self, key: str, answered: int = 0, needed: int = 0, reasons: tuple[str, ...] = ()
+    ) -> None:
+        super().__init__(key, answered, needed, reasons)
+        self.key = key
+        self.answered = answered
+        self.needed = needed
+        self.reasons = tuple(reasons)
+
+    def __str__(self) -> str:
+        why = f" ({'; '.join(self.reasons)})" if self.reasons else ""
+        # A denied command names its own fix (the ACL), and is no network failure.
+        hint = (
+            "" if "NOPERM" in why else "; check that the redlock_urls servers are up and reachable"
+        )
+        return (
             f"no quorum for lock {self.key!r}: {self.answered} lock node(s) answered, "
-            f"{self.needed} needed; check that the redlock_urls servers are up and reachable"
+            f"{self.needed} needed{why}{hint}"
         )
 
 

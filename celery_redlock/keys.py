@@ -61,15 +61,26 @@ def _encode_special(value: Any) -> Any:
 
 _SCALARS = (str, int, float, bool, type(None))
 
+MAX_NESTING = 100
+"""The deepest nesting of lists and dicts an argument may have to be keyed."""
 
-def _with_typed_keys(value: Any) -> Any:
+
+class TooDeep(ValueError):
+    """An argument nests lists or dicts more than `MAX_NESTING` levels deep."""
+
+
+def _with_typed_keys(value: Any, depth: int = 0) -> Any:
     """``value`` with every dict whose keys are not all strings in a tagged form, so that
     ``{1: "a"}`` and ``{"1": "a"}`` (different calls under pickle or msgpack) differ. Values
-    without such dicts come back unchanged, without copying."""
+    without such dicts come back unchanged, without copying. Raises `TooDeep` past
+    `MAX_NESTING` levels (a self-referencing list would otherwise recurse for ever)."""
     if isinstance(value, _SCALARS):
         return value
+    if depth >= MAX_NESTING:
+        raise TooDeep(f"nested more than {MAX_NESTING} levels deep")
+    depth += 1
     if isinstance(value, dict):
-        items = [(key, _with_typed_keys(item)) for key, item in value.items()]
+        items = [(key, _with_typed_keys(item, depth)) for key, item in value.items()]
         if all(isinstance(key, str) for key in value):
             if all(item is value[key] for key, item in items):
                 return value
@@ -77,7 +88,7 @@ def _with_typed_keys(value: Any) -> Any:
         pairs = [[canonical_json(key), item] for key, item in items]
         return {"$dict": sorted(pairs, key=lambda pair: pair[0])}
     if isinstance(value, (list, tuple)):
-        converted = [_with_typed_keys(item) for item in value]
+        converted = [_with_typed_keys(item, depth) for item in value]
         if all(new is old for new, old in zip(converted, value, strict=True)):
             return value
         return converted
@@ -232,7 +243,8 @@ class KeyRecipe:
             arguments = {name: arguments[name] for name in self.lock_args}
         try:
             text = canonical_json(arguments)
-        except (TypeError, ValueError) as error:
+        except (TypeError, ValueError, RecursionError) as error:
+            # RecursionError: sets and tagged values nest canonical_json calls of their own.
             culprit = _first_unencodable(arguments)
             raise LockKeyError(
                 f"argument {culprit!r} of task {self.task_name!r} cannot be encoded into a lock "
@@ -267,6 +279,6 @@ def _first_unencodable(arguments: Mapping[str, Any]) -> str:
     for name, value in arguments.items():
         try:
             canonical_json(value)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, RecursionError):
             return name
     return "?"

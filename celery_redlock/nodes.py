@@ -15,6 +15,7 @@ import collections
 import contextlib
 import logging
 import os
+import re
 import select
 import threading
 import time
@@ -32,7 +33,7 @@ from redis.retry import Retry
 
 from .errors import ConfigurationError
 from .scripts import LOADED_ON_CONNECT, Script
-from .settings import redact_url
+from .settings import has_credentials, redact_url
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +116,26 @@ def _pollable_class(connection_class: type[AbstractConnection]) -> type[Abstract
     return type(f"Pollable{connection_class.__name__}", (connection_class,), {"fileno": _fileno})
 
 
+def describe_failure(reason: object) -> str:
+    """A one-line account of why a node gave no usable reply; a denied command (NOPERM) names the
+    command and the ACL rule that grants it, instead of looking like a network failure."""
+    text = str(reason)
+    if "NOPERM" in text:
+        match = re.search(r"run the '([^']+)' command", text)
+        if match:
+            command = match.group(1).lower()
+            return (
+                f"the node's user may not run {command!r} (NOPERM); grant it with "
+                f"ACL SETUSER <user> +{command}, or apply the ACL line in README's "
+                "'TLS, passwords, ACL users'"
+            )
+        return (
+            f"{text} — the node's user lacks a permission; apply the ACL line in README's "
+            "'TLS, passwords, ACL users'"
+        )
+    return text
+
+
 class Node:
     """One independent Redis master: where it is and whether it is currently backed off.
 
@@ -125,7 +146,15 @@ class Node:
     command (out of memory, read-only) stays backed off.
     """
 
-    def __init__(self, url: str, node_timeout: float) -> None:
+    def __init__(
+        self,
+        url: str,
+        node_timeout: float,
+        username: str | None = None,
+        password: str | None = None,
+    ) -> None:
+        # Credentials of the settings apply to a URL that names none of its own.
+        credentials = {} if has_credentials(url) else {"username": username, "password": password}
         try:
             pool = ConnectionPool.from_url(
                 url,
@@ -134,6 +163,7 @@ class Node:
                 retry=Retry(NoBackoff(), 0),
                 health_check_interval=0,
                 protocol=2,
+                **credentials,
             )
         except (ValueError, TypeError) as error:
             raise ConfigurationError(
@@ -146,6 +176,7 @@ class Node:
         # No CLIENT SETINFO in the handshake: connecting to a hung node then costs nothing until
         # the round's own command, which every node is waited for in parallel.
         self._connection_kwargs.update(_NO_CLIENT_SETINFO)
+        self.last_error = ""  # why the node was last backed off, for error messages
         self._suspect = False  # True from a failure until a probe sees the node answer
         self._down_until = 0.0
         self._backoff = 0.0
@@ -193,8 +224,15 @@ class Node:
         connection = self.new_connection()
         try:
             connection.connect()
+            # PING is in the least-privilege ACL README documents; a user denied it still shows
+            # that the node answers (its NOPERM is an answer), so it does not count against it.
             connection.send_command("PING", check_health=False)
             connection.read_response()
+        except ResponseError as error:
+            if not str(error).startswith("NOPERM"):
+                self.mark_down(time.monotonic(), error)
+            else:
+                self._suspect = False
         except (RedisClientError, OSError) as error:
             self.mark_down(time.monotonic(), error)
         else:
@@ -218,6 +256,7 @@ class Node:
     def mark_down(self, now: float, reason: object) -> None:
         """Skip this node for a while (doubling each time it fails again, up to a cap)."""
         was_up = self._backoff == 0.0
+        self.last_error = describe_failure(reason)
         self._backoff = min(MAX_BACKOFF_SECONDS, max(FIRST_BACKOFF_SECONDS, self._backoff * 2))
         self._down_until = now + self._backoff
         self._suspect = True
@@ -225,7 +264,7 @@ class Node:
             logger.warning(
                 "lock node %s is unavailable (%s); skipping it for %.2fs, then probing again",
                 self.name,
-                reason,
+                self.last_error,
                 self._backoff,
             )
 
@@ -333,15 +372,29 @@ class Link:
         self.sent_at.clear()
 
 
+Judge = Callable[[Any], "bool | None"]
+"""Tells what one node's reply to a script means: True — it did what was asked; False — it
+answered, and refused; None — the reply is not one the script can return (untrusted input: it
+counts as no answer, like an error reply)."""
+
+
 @dataclass
 class RoundResult:
     """What one round learned: each node's reply (``NO_REPLY`` where there was none usable),
-    how many nodes answered (error replies are not answers) and how many succeeded."""
+    how many nodes answered (error replies and replies the script cannot give are not answers),
+    how many succeeded, and for each node without a usable reply why (else None)."""
 
     replies: list[Any]
     successes: int
     answered: int
     finished_at: float
+    failures: list[str | None]
+
+    def unavailable_reasons(self, names: Sequence[str]) -> tuple[str, ...]:
+        """``"<node>: <why>"`` for every node that gave no usable reply."""
+        return tuple(
+            f"{name}: {why}" for name, why in zip(names, self.failures, strict=True) if why
+        )
 
 
 class Round:
@@ -353,16 +406,17 @@ class Round:
         links: list[Link],
         script: Script,
         call: tuple[Any, ...],
-        succeeded: Callable[[Any], bool],
+        judge: Judge,
         every: bool,
     ) -> None:
         self.group = group
         self.links = links
         self.script = script
         self.call = call
-        self.succeeded = succeeded
+        self.judge = judge
         self.every = every
         self.replies: list[Any] = [NO_REPLY] * len(links)
+        self.why_not: list[str | None] = ["not asked"] * len(links)
         self.waiting: dict[int, int] = {}  # socket descriptor -> node index
         self.poller = select.poll()
         self.successes = 0
@@ -383,6 +437,7 @@ class Round:
         probing = []
         for index, link in enumerate(self.links):
             if link.node.is_backed_off(now):
+                self.why_not[index] = f"skipped while backed off ({link.node.last_error})"
                 if link.node.probing:
                     probing.append(index)
             else:
@@ -418,6 +473,9 @@ class Round:
             descriptor = link.fileno()
             self.waiting[descriptor] = index
             self.poller.register(descriptor, select.POLLIN)
+            self.why_not[index] = None
+        else:
+            self.why_not[index] = link.node.last_error
 
     def decided(self) -> bool:
         """True once the outcome is known: a quorum succeeded, or it can no longer succeed and
@@ -447,6 +505,7 @@ class Round:
             # Timed out: whoever is still silent is hung or far away.
             for index in self.waiting.values():
                 self.links[index].fail(f"no reply within {self.group.node_timeout}s")
+                self.why_not[index] = self.links[index].node.last_error
 
     def _read_from(self, descriptor: int) -> None:
         index = self.waiting.pop(descriptor)
@@ -458,33 +517,45 @@ class Round:
                 # The node lost its script cache (restart, SCRIPT FLUSH): send the source.
                 source = pack_command("EVAL", self.script.source, *self.call)
                 if not link.send(source, self.group.node_timeout):
+                    self.why_not[index] = link.node.last_error
                     self.failures += 1
                     return
                 arrived = False
         except (RedisClientError, OSError) as error:
             link.fail(error)
+            self.why_not[index] = link.node.last_error
             self.failures += 1
             return
         if not arrived:
             self.waiting[descriptor] = index
             self.poller.register(descriptor, select.POLLIN)
             return
-        if isinstance(reply, ResponseError):
-            # Out of memory, read-only, no permission, loading...: the node neither granted nor
-            # refused anything. It counts as not answering, and is backed off like one.
-            link.node.mark_down(time.monotonic(), f"error reply: {reply}")
+        verdict = None if isinstance(reply, ResponseError) else self.judge(reply)
+        if verdict is None:
+            # Out of memory, read-only, no permission, loading, or a reply the script cannot
+            # give: the node neither granted nor refused anything. It counts as not answering,
+            # and is backed off like one.
+            why = (
+                f"error reply: {reply}"
+                if isinstance(reply, ResponseError)
+                else (f"a reply the {self.script.name} script cannot give: {reply!r:.80}")
+            )
+            link.node.mark_down(time.monotonic(), why)
+            self.why_not[index] = link.node.last_error
             self.failures += 1
             return
         self.replies[index] = reply
         self.answered += 1
-        if self.succeeded(reply):
+        if verdict:
             self.successes += 1
         else:
             self.failures += 1
 
     def result(self) -> RoundResult:
         """What the round learned."""
-        return RoundResult(self.replies, self.successes, self.answered, time.monotonic())
+        return RoundResult(
+            self.replies, self.successes, self.answered, time.monotonic(), self.why_not
+        )
 
 
 class LinkSet:
@@ -512,8 +583,14 @@ class NodeGroup:
     opens its own.
     """
 
-    def __init__(self, urls: Sequence[str], node_timeout: float) -> None:
-        self.nodes = [Node(url, node_timeout) for url in urls]
+    def __init__(
+        self,
+        urls: Sequence[str],
+        node_timeout: float,
+        username: str | None = None,
+        password: str | None = None,
+    ) -> None:
+        self.nodes = [Node(url, node_timeout, username, password) for url in urls]
         self.node_timeout = node_timeout
         self.quorum = len(self.nodes) // 2 + 1
         self._per_thread = threading.local()
@@ -544,19 +621,20 @@ class NodeGroup:
         script: Script,
         keys: Sequence[str],
         arguments: Sequence[str | int],
-        succeeded: Callable[[Any], bool],
+        judge: Judge,
         wait: bool = True,
         every: bool = False,
     ) -> RoundResult:
         """Run ``script`` on every node at once and collect replies until the outcome is known.
 
-        The outcome is known when a quorum succeeded, when a quorum can no longer succeed, or
+        ``judge`` says what each reply means (`Judge`). The outcome is known when a quorum
+        succeeded, when a quorum can no longer succeed, or
         when ``node_timeout`` has passed; with ``every=True`` only when every node answered or
         timed out (operators' commands that report per node). With ``wait=False`` the commands
         are only sent (their replies are skipped by a later round), for clean-ups nobody waits on.
         """
         links = self._links().links
-        round_ = Round(self, links, script, (len(keys), *keys, *arguments), succeeded, every)
+        round_ = Round(self, links, script, (len(keys), *keys, *arguments), judge, every)
         try:
             round_.send_to_available_nodes(wait)
             if wait:

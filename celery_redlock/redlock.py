@@ -8,7 +8,10 @@ compare the token inside Lua, so only the holder can extend or release.
 
 Every attempt ends in one typed outcome: `Acquired`, `Held` (a majority names one holder),
 `Contended` (no majority either way: a split vote or stale leftovers), `Unavailable` (fewer than
-a majority answered) or `Completed` (the task id's completion marker covers this attempt).
+a majority answered) or `Covered` (a `Record` kept beside the lock covers the caller's rank).
+
+Every reply is checked against what its script can return: a node's reply is untrusted input,
+and one that is not a possible answer counts as no answer at all (no vote, no holder).
 """
 
 from __future__ import annotations
@@ -23,18 +26,17 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import scripts
+from . import keyspace, scripts
 from .errors import ConfigurationError, LockNotAcquired, QuorumUnavailable
-from .nodes import Node, NodeGroup, RoundResult
+from .nodes import Judge, Node, NodeGroup, RoundResult
 from .owner import lock_value, owner_text_of
 from .settings import RedlockSettings, check_seconds, split_urls
 
 logger = logging.getLogger(__name__)
 
 TOKEN_BYTES = 20
-FENCE_SUFFIX = ":fence"
+FENCE_SUFFIX = keyspace.FENCE_SUFFIX  # kept for callers of 0.2
 DRIFT_CONSTANT_SECONDS = 0.002
-COMPLETED_REPLY = b"COMPLETED"
 
 
 def new_token() -> str:
@@ -81,13 +83,21 @@ class Lock:
 
 
 @dataclass(frozen=True, slots=True)
-class CompletionMarker:
-    """The record of which attempts of one task id have run: the attempt asking (or finishing),
-    as ``"nesting:retries"``, and how long the marker lives once written."""
+class Record:
+    """A record kept beside a lock, checked atomically with every acquisition and written with the
+    release: field ``field`` of the hash at ``key`` (a key in the lock's hash slot, see
+    `celery_redlock.keyspace`) holds the highest ``rank`` released, and lives ``ttl`` seconds
+    after the last write. An attempt whose rank the record covers ends `Covered`."""
 
     key: str
-    attempt: str
+    field: str
+    rank: tuple[int, int]
     ttl: float
+
+    @property
+    def rank_text(self) -> str:
+        """The rank as the scripts store it (``"major:minor"``)."""
+        return f"{self.rank[0]}:{self.rank[1]}"
 
 
 @dataclass(frozen=True)
@@ -122,11 +132,11 @@ class Unavailable:
 
 
 @dataclass(frozen=True)
-class Completed:
-    """The task id's completion marker covers the attempt: its body has run already."""
+class Covered:
+    """The `Record` the attempt asked about covers its rank (at least one node says so)."""
 
 
-Outcome = Acquired | Held | Contended | Unavailable | Completed
+Outcome = Acquired | Held | Contended | Unavailable | Covered
 
 
 def even_node_warning(count: int) -> str | None:
@@ -159,16 +169,54 @@ def majority_holder(copies: Sequence[tuple[str, int]], quorum: int) -> Held | No
     return None
 
 
-def _is_one(reply: Any) -> bool:
-    return reply == 1 and not isinstance(reply, bool)
-
-
-def _is_pair(reply: Any) -> bool:
-    return isinstance(reply, list) and len(reply) == 2
-
-
 def _is_integer(reply: Any) -> bool:
     return isinstance(reply, int) and not isinstance(reply, bool)
+
+
+def judge_zero_or_one(reply: Any) -> bool | None:
+    """For scripts answering 1 (done) or 0 (refused): extend, release, owner-matched releases."""
+    if _is_integer(reply) and reply in (0, 1):
+        return bool(reply == 1)
+    return None
+
+
+def judge_one(reply: Any) -> bool | None:
+    """For scripts that always answer 1 (raising a fencing counter)."""
+    return True if _is_integer(reply) and reply == 1 else None
+
+
+def is_copy(reply: Any) -> bool:
+    """True for ``{stored value, its pttl in ms}``: a value (empty when there is none) and a
+    pttl of -2 or more."""
+    return (
+        isinstance(reply, list)
+        and len(reply) == 2
+        and isinstance(reply[0], bytes)
+        and _is_integer(reply[1])
+        and reply[1] >= -2
+    )
+
+
+def judge_copy(reply: Any) -> bool | None:
+    """For scripts that read a lock without changing it: every well-formed copy is an answer."""
+    return True if is_copy(reply) else None
+
+
+def acquire_judge(clock_microseconds: int, asks_record: bool) -> Judge:
+    """What the acquire script can answer a caller whose clock read ``clock_microseconds``: a
+    fencing token never below that clock (granted); the value in the way and its pttl (refused);
+    COVERED, only when a record was asked about (refused: the record decides)."""
+
+    def judge(reply: Any) -> bool | None:
+        if _is_integer(reply):
+            return True if reply >= clock_microseconds else None
+        if is_copy(reply) and reply[0]:
+            return False
+        if asks_record and reply == scripts.COVERED_REPLY:
+            return False
+        return None
+
+    return judge
 
 
 class Redlock:
@@ -177,7 +225,8 @@ class Redlock:
     One instance per process is meant to be shared by all its threads; connections open lazily
     and are reopened after a fork. ``urls`` (a list, or one comma-separated string) accepts
     ``redis://``, ``rediss://`` (TLS) and ``unix://`` URLs with optional ``user:password@`` and
-    database number. Invalid arguments raise `ConfigurationError` saying how to fix them.
+    database number; ``username`` and ``password`` apply to every URL that names no credentials
+    of its own. Invalid arguments raise `ConfigurationError` saying how to fix them.
     """
 
     def __init__(
@@ -188,6 +237,8 @@ class Redlock:
         clock_drift_factor: float = RedlockSettings.clock_drift_factor,
         node_timeout: float = RedlockSettings.node_timeout,
         key_prefix: str = RedlockSettings.key_prefix,
+        username: str | None = None,
+        password: str | None = None,
     ) -> None:
         settings = RedlockSettings(
             urls=split_urls(urls),  # type: ignore[arg-type]  # checked by RedlockSettings
@@ -196,6 +247,8 @@ class Redlock:
             clock_drift_factor=clock_drift_factor,
             node_timeout=node_timeout,
             key_prefix=key_prefix,
+            username=username,
+            password=password,
         )
         self._configure(settings)
         warning = even_node_warning(len(self._group.nodes))
@@ -219,7 +272,9 @@ class Redlock:
         self.clock_drift_factor = float(settings.clock_drift_factor)
         self.node_timeout = float(settings.node_timeout)
         self.key_prefix = settings.key_prefix
-        self._group = NodeGroup(settings.urls, self.node_timeout)
+        self._group = NodeGroup(
+            settings.urls, self.node_timeout, settings.username, settings.password
+        )
         self.quorum = self._group.quorum
 
     @property
@@ -233,8 +288,8 @@ class Redlock:
         return [node.name for node in self._group.nodes]
 
     def key_for(self, resource: str) -> str:
-        """The Redis key that locks ``resource``."""
-        return self.key_prefix + resource
+        """The Redis key that locks ``resource`` (see `celery_redlock.keyspace`)."""
+        return keyspace.lock_key(self.key_prefix, resource)
 
     def drift(self, ttl: float) -> float:
         """Seconds subtracted from the validity of a ``ttl``-second lock for clock drift."""
@@ -259,40 +314,67 @@ class Redlock:
         owner: str = "",
         *,
         token: str | None = None,
-        take_over: str = "",
-        completion: CompletionMarker | None = None,
+        replaces: str = "",
+        record: Record | None = None,
         rounds: int | None = None,
     ) -> Outcome:
         """One non-blocking acquisition, retried (up to ``rounds`` rounds, by default
         ``retry_count``, jittered) only while the outcome is `Contended` or `Unavailable`.
 
         ``token`` (default: a new one) lets a caller know the token before any SET is sent;
-        ``take_over`` is an owner prefix (`celery_redlock.owner.claim_prefix`) whose lock counts
-        as free; ``completion`` makes the attempt end `Completed` when the marker covers it.
+        ``replaces`` is an owner-text prefix whose holder the caller replaces (its lock counts as
+        free); with ``record``, the attempt ends `Covered` when the record covers its rank. A lock
+        reserved for someone else (`reserve`) is not taken while it is reserved.
         """
+        key = self._checked_key(resource, ttl)
+        return self._attempt_at(resource, key, ttl, owner, token, replaces, record, rounds)
+
+    def reserve(self, resource: str, ttl: float, owner: str = "", *, token: str) -> Outcome:
+        """Reserve the lock on ``resource`` for its next holder: while the reservation is held,
+        nobody but an attempt with the same ``token`` and ``owner`` takes the lock once it is
+        free. The reservation is a lock itself (`Acquired` holds it; `release` gives it up); one
+        attempt, like `attempt`."""
+        key = keyspace.reservation_key(self._checked_key(resource, ttl))
+        return self._attempt_at(resource, key, ttl, owner, token, "", None, None)
+
+    def _checked_key(self, resource: str, ttl: float) -> str:
         self.check_ttl(ttl)
         if not isinstance(resource, str) or not resource:
             raise ConfigurationError(f"resource must be a non-empty string, got {resource!r}")
-        key = self.key_for(resource)
+        return self.key_for(resource)
+
+    def _attempt_at(
+        self,
+        resource: str,
+        key: str,
+        ttl: float,
+        owner: str,
+        token: str | None,
+        replaces: str,
+        record: Record | None,
+        rounds: int | None,
+    ) -> Outcome:
         # One token for every round: a SET of an earlier round that lands late on a slow node is
         # then this acquisition's own, not a stranger blocking it for a whole ttl.
         token = token or new_token()
         value = lock_value(token, owner)
-        keys = [key, key + FENCE_SUFFIX]
+        keys = [key, keyspace.fence_key(key), keyspace.reservation_key(key)]
         extra: list[str] = []
-        if completion is not None:
-            keys.append(completion.key)
-            extra.append(completion.attempt)
+        if record is not None:
+            keys.append(record.key)
+            extra += [record.field, record.rank_text]
         ttl_ms = max(1, int(ttl * 1000))
         outcome: Outcome = Unavailable(QuorumUnavailable(key, 0, self.quorum))
         for round_number in range(self.retry_count if rounds is None else rounds):
             if round_number:
                 time.sleep(jittered(self.retry_delay))
             started = time.monotonic()
-            arguments: list[str | int] = [value, ttl_ms, time.time_ns() // 1000, take_over, *extra]
+            clock = time.time_ns() // 1000
+            arguments: list[str | int] = [value, ttl_ms, clock, replaces, *extra]
+            judge = acquire_judge(clock, record is not None)
             try:
-                result = self._group.run(scripts.ACQUIRE, keys, arguments, _is_integer)
-                outcome = self._outcome(resource, token, owner, ttl, started, result)
+                result = self._group.run(scripts.ACQUIRE, keys, arguments, judge)
+                outcome = self._outcome(resource, key, token, owner, ttl, started, result)
             except BaseException:
                 self._release_value(key, value)  # an interrupted round may have set keys
                 raise
@@ -307,16 +389,16 @@ class Redlock:
     def _outcome(
         self,
         resource: str,
+        key: str,
         token: str,
         owner: str,
         ttl: float,
         started: float,
         result: RoundResult,
     ) -> Outcome:
-        key = self.key_for(resource)
-        if any(reply == COMPLETED_REPLY for reply in result.replies):
-            # Markers are written to a quorum after the body ran: one copy is proof enough.
-            return Completed()
+        if any(reply == scripts.COVERED_REPLY for reply in result.replies):
+            # Records are written by every node a release reaches: one copy is proof enough.
+            return Covered()
         fencing_token = self._agree_on_fencing_token(key, result, int(ttl * 1000))
         finished = time.monotonic()
         validity = ttl - (finished - started) - self.drift(ttl)
@@ -333,14 +415,18 @@ class Redlock:
             )
             return Acquired(lock)
         if result.answered < self.quorum:
-            return Unavailable(QuorumUnavailable(key, result.answered, self.quorum))
-        refusals = [(_text(reply[0]), int(reply[1])) for reply in result.replies if _is_pair(reply)]
+            return Unavailable(self._unavailable(key, result))
+        refusals = [(_text(reply[0]), int(reply[1])) for reply in result.replies if is_copy(reply)]
         held = majority_holder(refusals, self.quorum)
         if held is not None:
             return held
         # A split vote: the next change comes with a release or with the soonest expiry.
         soonest = min((max(left, 0) / 1000 for _, left in refusals), default=0.0)
         return Contended(min(soonest, ttl))
+
+    def _unavailable(self, key: str, result: RoundResult) -> QuorumUnavailable:
+        reasons = result.unavailable_reasons(self.node_names)
+        return QuorumUnavailable(key, result.answered, self.quorum, reasons)
 
     def _agree_on_fencing_token(self, key: str, result: RoundResult, ttl_ms: int) -> int | None:
         """The fencing token of a round that reached a quorum, or None if it did not.
@@ -356,18 +442,24 @@ class Redlock:
         if tokens.count(fencing_token) >= self.quorum:
             return fencing_token
         raised = self._group.run(
-            scripts.RAISE_FENCE, (key + FENCE_SUFFIX,), (fencing_token, ttl_ms), _is_one
+            scripts.RAISE_FENCE, (keyspace.fence_key(key),), (fencing_token, ttl_ms), judge_one
         )
         return fencing_token if raised.successes >= self.quorum else None
 
     def holder_of(self, resource: str) -> Held | None:
         """Who holds the lock on ``resource`` now, when a majority of nodes agrees on one, without
         taking it; None when nobody does. Raises `QuorumUnavailable` without a quorum."""
-        key = self.key_for(resource)
-        result = self._group.run(scripts.READ, (key,), (), _is_pair)
+        return self._holder_at(self.key_for(resource))
+
+    def reservation_of(self, resource: str) -> Held | None:
+        """Who holds the reservation of the lock on ``resource`` (`reserve`), like `holder_of`."""
+        return self._holder_at(keyspace.reservation_key(self.key_for(resource)))
+
+    def _holder_at(self, key: str) -> Held | None:
+        result = self._group.run(scripts.READ, (key,), (), judge_copy)
         if result.answered < self.quorum:
-            raise QuorumUnavailable(key, result.answered, self.quorum)
-        copies = [(_text(reply[0]), int(reply[1])) for reply in result.replies if _is_pair(reply)]
+            raise self._unavailable(key, result)
+        copies = [(_text(reply[0]), int(reply[1])) for reply in result.replies if is_copy(reply)]
         return majority_holder(copies, self.quorum)
 
     def wait_for(
@@ -465,14 +557,14 @@ class Redlock:
         # a node when the holder releases there could set the key again after the release.
         result = self._group.run(
             scripts.EXTEND,
-            (lock.key, lock.key + FENCE_SUFFIX),
+            (lock.key, keyspace.fence_key(lock.key)),
             (
                 lock.value,
                 max(1, int(ttl * 1000)),
                 lock.fencing_token,
                 int((time.time() + lock.valid_until - started) * 1000),
             ),
-            _is_one,
+            judge_zero_or_one,
             every=True,
         )
         if result.answered - result.successes >= len(self._group.nodes) - self.quorum + 1:
@@ -489,39 +581,49 @@ class Redlock:
         self,
         lock: Lock,
         hold: float = 0.0,
-        completion: CompletionMarker | None = None,
+        record: Record | None = None,
         confirm: bool = True,
     ) -> bool:
         """Release the lock on every node, only where it still holds this lock's token.
 
         With ``hold`` seconds, the lock is kept that much longer instead (and then expires); with
-        ``completion``, the marker is written on every node that gets the release. Returns True
-        if a majority confirmed it still held the lock, False if it had already expired or been
+        ``record``, its rank is recorded on every node the release reaches. Returns True if a
+        majority confirmed it still held the lock, False if it had already expired or been
         taken over. Never removes somebody else's lock.
 
         With ``confirm=False`` the release is sent to every node and the call returns at once,
         False: the replies are read by this thread's next round. Each node executes the release
         before anything this thread sends it later.
         """
-        keys = [lock.key, lock.key + FENCE_SUFFIX]
+        keys = [lock.key, keyspace.fence_key(lock.key)]
         arguments: list[str | int] = [lock.value, max(0, int(hold * 1000))]
-        if completion is not None:
-            keys.append(completion.key)
-            arguments += [completion.attempt, max(1, int(completion.ttl * 1000))]
-        result = self._group.run(scripts.RELEASE, keys, arguments, _is_one, wait=confirm)
+        if record is not None:
+            keys.append(record.key)
+            arguments += [record.field, record.rank_text, max(1, int(record.ttl * 1000))]
+        result = self._group.run(scripts.RELEASE, keys, arguments, judge_zero_or_one, wait=confirm)
         lock.valid_until = 0.0
         return result.successes >= self.quorum
 
     def _release_value(self, key: str, value: str) -> None:
         """Send a release of ``value`` to every node without waiting for the replies."""
-        self._group.run(scripts.RELEASE, (key, key + FENCE_SUFFIX), (value, 0), _is_one, wait=False)
+        self._group.run(
+            scripts.RELEASE,
+            (key, keyspace.fence_key(key)),
+            (value, 0),
+            judge_zero_or_one,
+            wait=False,
+        )
 
     def release_stored(self, key: str, value: str) -> int:
         """Delete the lock at ``key`` on every node where it still holds exactly ``value`` (a
         stored value read earlier: token and owner); returns on how many nodes it did. For
         operators' tools that free a lock they did not take, and never anybody else's."""
         result = self._group.run(
-            scripts.RELEASE, (key, key + FENCE_SUFFIX), (value, 0), _is_one, every=True
+            scripts.RELEASE,
+            (key, keyspace.fence_key(key)),
+            (value, 0),
+            judge_zero_or_one,
+            every=True,
         )
         return result.successes
 
@@ -530,13 +632,14 @@ class Redlock:
         script: scripts.Script,
         keys: Sequence[str],
         arguments: Sequence[str | int],
-        succeeded: Any,
+        judge: Judge,
     ) -> RoundResult:
         """Run ``script`` on every node at once, over this lock manager's connections, and
-        return each node's reply once the outcome is known (a quorum of replies for which
-        ``succeeded`` holds, or too few left). For modules that keep records beside a lock
+        return each node's reply once the outcome is known (a quorum of replies that ``judge``
+        calls successes, or too few left). ``judge`` checks each reply against what the script
+        can return (`celery_redlock.nodes.Judge`). For modules that keep records beside a lock
         (the beat leader's schedule)."""
-        return self._group.run(script, keys, arguments, succeeded)
+        return self._group.run(script, keys, arguments, judge)
 
     # -- operators ---------------------------------------------------------------------------
 
@@ -546,14 +649,14 @@ class Redlock:
         process that is gone, and nobody else's."""
         key = self.key_for(resource)
         result = self._group.run(
-            scripts.RELEASE_IF_OWNER, (key,), (owner_prefix,), _is_one, every=True
+            scripts.RELEASE_IF_OWNER, (key,), (owner_prefix,), judge_zero_or_one, every=True
         )
         return result.successes
 
     def force_release(self, resource: str) -> int:
         """Delete the lock on ``resource`` whoever holds it (operators only); nodes that did."""
         key = self.key_for(resource)
-        result = self._group.run(scripts.FORCE_RELEASE, (key,), (), _is_one, every=True)
+        result = self._group.run(scripts.FORCE_RELEASE, (key,), (), judge_zero_or_one, every=True)
         return result.successes
 
     def close(self) -> None:

@@ -18,8 +18,8 @@ from redis.exceptions import RedisError as RedisClientError
 from . import events, signals
 from .errors import RedlockError
 from .keeper import KeptLock, LockKeeper
-from .redlock import CompletionMarker, Lock, Redlock, even_node_warning
-from .settings import RedlockSettings
+from .redlock import Lock, Record, Redlock, even_node_warning
+from .settings import RedlockSettings, has_password, redact_url
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ class RunLock:
     lock: Lock
     task_id: str | None
     hold: float
-    completion: CompletionMarker | None
+    record: Record | None
     started: float
     kept: KeptLock | None = None
 
@@ -91,6 +91,14 @@ class AppRuntime:
         warning = even_node_warning(len(nodes))
         if warning:
             logger.warning(warning)
+        for url in self.settings.urls:
+            if has_password(url):
+                logger.warning(
+                    "redlock_urls carries a password for lock node %s: `celery inspect conf` and "
+                    "`celery report` print redlock_urls as written; set redlock_password (which "
+                    "Celery masks) and leave the password out of the URL",
+                    redact_url(url),
+                )
         for node in nodes:
             client = node.client(timeout=max(self.settings.node_timeout, 1.0))
             try:
@@ -108,8 +116,9 @@ class AppRuntime:
 
     def finish(self, task: Any, run: RunLock, state: str) -> bool:
         """End a run's lock: release it (or keep it ``hold`` more seconds, never on RETRY),
-        record the completion of its attempt when the body ran, and report it. Returns whether
-        a majority confirmed the lock was still held. Safe to call again after an interruption.
+        record that this message's attempt completed when the body ran, and report it. Returns
+        whether a majority confirmed the lock was still held. Safe to call again after an
+        interruption.
         """
         kept = run.kept
         if kept is not None:
@@ -124,7 +133,7 @@ class AppRuntime:
             released = self.redlock.release(
                 run.lock,
                 hold=run.hold if state != states.RETRY else 0.0,
-                completion=run.completion if body_ran else None,
+                record=run.record if body_ran else None,
                 confirm=reported,
             )
         except RedlockError as error:

@@ -8,8 +8,10 @@ answers NOSCRIPT and gets the source once (EVAL). Scripts marked ``inline`` alwa
 source: releases and clean-ups, whose replies may be read only after the round has decided, so a
 NOSCRIPT nobody reads must not be able to lose them.
 
-Stored values and owner prefixes are built by `celery_redlock.owner`; here they are compared as
-bytes only. Attempts are ranked ``"nesting:retries"`` (see `Owner.attempt`).
+Stored values and owner prefixes are built by `celery_redlock.owner`, key names by
+`celery_redlock.keyspace`; here they are compared as bytes only. Each script's comment says what it
+can return: callers check every reply against that (`celery_redlock.redlock`), since a node's reply
+is untrusted input.
 """
 
 from __future__ import annotations
@@ -31,17 +33,17 @@ class Script:
         object.__setattr__(self, "sha", hashlib.sha1(self.source.encode()).hexdigest())
 
 
-# The completion marker of a task id holds the highest attempt ("nesting:retries") whose body
-# ran; an attempt it covers has run already.
+# A record holds a rank "major:minor" (two whole numbers); a stored rank covers every rank it is
+# not below. A missing or malformed record covers nothing.
 _COVERS = """
-local function attempt_of(text)
-    local nesting, retries = string.match(text or '', '^(%d+):(%d+)$')
-    return tonumber(nesting) or -1, tonumber(retries) or -1
+local function rank_of(text)
+    local major, minor = string.match(text or '', '^(%d+):(%d+)$')
+    return tonumber(major) or -1, tonumber(minor) or -1
 end
-local function covers(marker, attempt)
-    local marker_nesting, marker_retries = attempt_of(marker)
-    local nesting, retries = attempt_of(attempt)
-    return marker_nesting > nesting or (marker_nesting == nesting and marker_retries >= retries)
+local function covers(stored, rank)
+    local stored_major, stored_minor = rank_of(stored)
+    local major, minor = rank_of(rank)
+    return stored_major > major or (stored_major == major and stored_minor >= minor)
 end
 """
 
@@ -54,37 +56,43 @@ local function keep_fence(fence_key, milliseconds)
 end
 """
 
-# KEYS[1] lock key, KEYS[2] its fencing counter, KEYS[3] (optional) the completion marker of the
-# caller's task id. ARGV[1] value (token|owner), ARGV[2] ttl in ms, ARGV[3] the caller's clock in
-# microseconds, ARGV[4] the owner prefix of a claim to take over (the caller's own enqueue-time
-# claim) or '', ARGV[5] (with KEYS[3]) the caller's attempt.
-# Returns the status COMPLETED when the marker covers the attempt; else the fencing token (an
-# integer) when the lock was taken — a key already holding ARGV[1] counts as taken (a late SET of
-# an earlier round of the same acquisition) — else {current value, its pttl in ms}. The fencing
-# token is max(counter + 1, caller's clock): nodes that saw the same history return the same one.
+COVERED_REPLY = b"COVERED"
+"""The status ACQUIRE answers when the record it was asked to check covers the caller's rank."""
+
+# KEYS[1] lock key, KEYS[2] its fencing counter, KEYS[3] its reservation, KEYS[4] (optional) a
+# record hash. ARGV[1] value (token|owner), ARGV[2] ttl in ms, ARGV[3] the caller's clock in
+# microseconds, ARGV[4] an owner prefix whose lock the caller replaces (counts as free) or '',
+# ARGV[5] and ARGV[6] (with KEYS[4]) the record's field and the caller's rank.
+# Returns the status COVERED when the record covers the rank; else the fencing token (an integer,
+# never below ARGV[3]) when the lock was taken — a key already holding ARGV[1] counts as taken (a
+# late SET of an earlier round of the same acquisition); else {the value in the way, its pttl in
+# ms}: the holder's, or, when the lock is free but reserved for someone else, the reservation's.
+# The fencing token is max(counter + 1, caller's clock): nodes that saw the same history agree.
 ACQUIRE = Script(
     "acquire",
     _COVERS
     + """
-if KEYS[3] and covers(redis.call('GET', KEYS[3]), ARGV[5]) then
-    return redis.status_reply('COMPLETED')
+if KEYS[4] and covers(redis.call('HGET', KEYS[4], ARGV[5]), ARGV[6]) then
+    return redis.status_reply('COVERED')
 end
-local taken = redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2])
-if not taken then
-    local value = redis.call('GET', KEYS[1])
-    local owner = value and string.sub(value, (string.find(value, '|', 1, true) or #value) + 1)
-    if value == ARGV[1] or (ARGV[4] ~= '' and owner and string.sub(owner, 1, #ARGV[4]) == ARGV[4])
-    then
-        taken = redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-    end
+local value = redis.call('GET', KEYS[1])
+local free = not value or value == ARGV[1]
+if value and not free and ARGV[4] ~= '' then
+    local owner = string.sub(value, (string.find(value, '|', 1, true) or #value) + 1)
+    free = string.sub(owner, 1, #ARGV[4]) == ARGV[4]
 end
-if taken then
-    local fence = math.max((tonumber(redis.call('GET', KEYS[2])) or 0) + 1, tonumber(ARGV[3]))
-    local keep = math.max(tonumber(ARGV[2]), redis.call('PTTL', KEYS[2]))
-    redis.call('SET', KEYS[2], string.format('%.0f', fence), 'PX', keep)
-    return fence
+if not free then
+    return {value, redis.call('PTTL', KEYS[1])}
 end
-return {redis.call('GET', KEYS[1]) or '', redis.call('PTTL', KEYS[1])}
+local reserved = redis.call('GET', KEYS[3])
+if reserved and reserved ~= ARGV[1] then
+    return {reserved, redis.call('PTTL', KEYS[3])}
+end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+local fence = math.max((tonumber(redis.call('GET', KEYS[2])) or 0) + 1, tonumber(ARGV[3]))
+local keep = math.max(tonumber(ARGV[2]), redis.call('PTTL', KEYS[2]))
+redis.call('SET', KEYS[2], string.format('%.0f', fence), 'PX', keep)
+return fence
 """,
 )
 
@@ -133,10 +141,10 @@ return 1
 )
 
 # KEYS[1] lock key (also the channel waiters listen on), KEYS[2] its fencing counter, KEYS[3]
-# (optional) the completion marker of the holder's task id. ARGV[1] value; ARGV[2] hold in ms (0:
-# delete now; else keep the lock that much longer); ARGV[3] (with KEYS[3]) the attempt that
-# completed; ARGV[4] (with KEYS[3]) the marker's lifetime in ms.
-# Returns 1 if the lock was still ours, else 0; the marker is written either way (the body ran).
+# (optional) a record hash. ARGV[1] value; ARGV[2] hold in ms (0: delete now; else keep the lock
+# that much longer); ARGV[3], ARGV[4], ARGV[5] (with KEYS[3]) the record's field, the rank to
+# record and the record's lifetime in ms.
+# Returns 1 if the lock was still ours, else 0; the record is written either way.
 # The PUBLISH is a pcall: an ACL user may lack channel permissions, and the release counts anyway.
 RELEASE = Script(
     "release",
@@ -155,8 +163,11 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
     end
     released = 1
 end
-if KEYS[3] and not covers(redis.call('GET', KEYS[3]), ARGV[3]) then
-    redis.call('SET', KEYS[3], ARGV[3], 'PX', ARGV[4])
+if KEYS[3] then
+    if not covers(redis.call('HGET', KEYS[3], ARGV[3]), ARGV[4]) then
+        redis.call('HSET', KEYS[3], ARGV[3], ARGV[4])
+    end
+    redis.call('PEXPIRE', KEYS[3], ARGV[5])
 end
 return released
 """,
@@ -166,31 +177,49 @@ return released
 # KEYS[1] lock key. Returns {current value or '', its pttl in ms}: who holds it, without taking it.
 READ = Script("read", "return {redis.call('GET', KEYS[1]) or '', redis.call('PTTL', KEYS[1])}")
 
-# KEYS[1] lock key. Deletes whoever holds it (operators' forced release); 1 if there was one.
+# KEYS[1] lock key (its name checked by the caller: `keyspace.is_lock_key`). Deletes it whoever
+# holds it (operators' forced release), but only when it holds a lock value — a string of 40
+# lowercase hex digits (the token), alone or followed by '|' and the owner text — and tells
+# waiters. Returns 1 if deleted, 0 if there is no such key, else a string saying why the key is
+# not a lock (its type, or a value celery_redlock never writes): such a key is left alone.
 FORCE_RELEASE = Script(
     "force_release",
     """
-local deleted = redis.call('DEL', KEYS[1])
-if deleted == 1 then
-    redis.pcall('PUBLISH', KEYS[1], 'released')
+local kind = redis.call('TYPE', KEYS[1])['ok']
+if kind == 'none' then
+    return 0
 end
-return deleted
+if kind ~= 'string' then
+    return 'it is a ' .. kind .. ', not a string'
+end
+local value = redis.call('GET', KEYS[1])
+local token = string.rep('[0-9a-f]', 40)
+if not (string.find(value, '^' .. token .. '$') or string.find(value, '^' .. token .. '|')) then
+    return 'its value is not a lock token (40 lowercase hex digits, then optionally | and owner)'
+end
+redis.call('DEL', KEYS[1])
+redis.pcall('PUBLISH', KEYS[1], 'released')
+return 1
 """,
     inline=True,
 )
 
-# KEYS[1] lock key; ARGV[1] an owner prefix (`owner.run_prefix`). Deletes the lock only if its
-# owner text starts with the prefix: how a worker's main process frees the lock of a pool process
-# it lost, and nobody else's (not the next attempt's of the same task id in another process).
+# KEYS[1] lock key; ARGV[1] an owner prefix (`owner.run_prefix`). Deletes the lock only if it
+# holds a lock value (token, '|', owner text) whose owner text starts with the prefix: how a
+# worker's main process frees the lock of a pool process it lost, and nobody else's (not the next
+# attempt's of the same task id in another process). A key of another type is not a lock: 0.
+# Returns 1 if deleted, else 0.
 RELEASE_IF_OWNER = Script(
     "release_if_owner",
     """
-local value = redis.call('GET', KEYS[1])
-if not value then
+if redis.call('TYPE', KEYS[1])['ok'] ~= 'string' then
     return 0
 end
-local owner = string.sub(value, (string.find(value, '|', 1, true) or #value) + 1)
-if string.sub(owner, 1, #ARGV[1]) == ARGV[1] then
+local value = redis.call('GET', KEYS[1])
+if not string.find(value, '^' .. string.rep('[0-9a-f]', 40) .. '|') then
+    return 0
+end
+if string.sub(value, 42, 41 + #ARGV[1]) == ARGV[1] then
     redis.call('DEL', KEYS[1])
     redis.pcall('PUBLISH', KEYS[1], 'released')
     return 1

@@ -12,7 +12,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
-from urllib.parse import parse_qs, urlsplit, urlunsplit
+from urllib.parse import parse_qs, parse_qsl, urlencode, urlsplit
 
 from .errors import ConfigurationError
 
@@ -41,6 +41,8 @@ class RedlockSettings:
     clock_drift_factor: float = 0.01  # redlock_clock_drift_factor
     node_timeout: float = 0.05  # redlock_node_timeout
     key_prefix: str = "redlock:"  # redlock_key_prefix
+    username: str | None = None  # redlock_username, for nodes whose URL names no user
+    password: str | None = None  # redlock_password, for nodes whose URL has no password
     beat_lease_ttl: float = 30.0  # redlock_beat_lease_ttl (celery_redlock.beat)
     beat_lease_name: str = "celery-beat-leader"  # redlock_beat_lease_name
     reap_interval: float | None = None  # redlock_reap_interval; None: workers do not reap
@@ -84,10 +86,19 @@ class RedlockSettings:
             lambda value: 0 <= value < 0.5,
         )
         check_seconds("redlock_node_timeout", self.node_timeout)
-        if not isinstance(self.key_prefix, str):
+        if not isinstance(self.key_prefix, str) or not self.key_prefix:
             raise ConfigurationError(
-                f"redlock_key_prefix must be a string such as 'redlock:', got {self.key_prefix!r}"
+                "redlock_key_prefix must be a non-empty string such as 'redlock:' (every key "
+                "celery_redlock writes starts with it, and the operators' tools tell locks from "
+                f"other keys by it), got {self.key_prefix!r}"
             )
+        for name in ("username", "password"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ConfigurationError(
+                    f"redlock_{name} must be a non-empty string or None, got a "
+                    f"{type(value).__name__}"
+                )
         check_number(
             "redlock_beat_lease_ttl",
             self.beat_lease_ttl,
@@ -121,6 +132,8 @@ class RedlockSettings:
     def __repr__(self) -> str:
         shown = {field.name: getattr(self, field.name) for field in fields(self)}
         shown["urls"] = tuple(redact_url(url) for url in self.urls)
+        if self.password is not None:
+            shown["password"] = "***"
         return f"RedlockSettings({', '.join(f'{name}={value!r}' for name, value in shown.items())})"
 
     @classmethod
@@ -178,13 +191,31 @@ def check_url(url: object) -> None:
 
 
 def redact_url(url: str) -> str:
-    """The URL with any password replaced by ``***``, safe to log."""
+    """The URL with every password replaced by ``***`` — the one after ``user:`` and any query
+    option whose name holds "pass" (``?password=``, ``ssl_password=``) — safe to log or print."""
     parts = urlsplit(url)
-    if parts.password is None:
+    netloc, query = parts.netloc, parts.query
+    if parts.password is not None:
+        user = parts.username or ""
+        netloc = f"{user}:***@{netloc.rpartition('@')[2]}"  # as written: .port may not parse
+    pairs = parse_qsl(query, keep_blank_values=True)
+    if any("pass" in name.lower() for name, _ in pairs):
+        hidden = [(name, "***" if "pass" in name.lower() else value) for name, value in pairs]
+        query = urlencode(hidden, safe="*/:")
+    if (netloc, query) == (parts.netloc, parts.query):
         return url
-    user = parts.username or ""
-    host = parts.netloc.rpartition("@")[2]  # as written: parts.port raises on a bad port
-    return urlunsplit((parts.scheme, f"{user}:***@{host}", parts.path, parts.query, ""))
+    # Built by hand: urlunsplit drops the "//" of unix:///path URLs.
+    return f"{parts.scheme}://{netloc}{parts.path}" + (f"?{query}" if query else "")
+
+
+def has_password(url: str) -> bool:
+    """True if ``url`` carries a password (after ``user:`` or as a query option)."""
+    return redact_url(url) != url
+
+
+def has_credentials(url: str) -> bool:
+    """True if ``url`` names a user or carries a password."""
+    return bool(urlsplit(url).username) or has_password(url)
 
 
 def check_number(name: str, value: object, meaning: str, valid: Any) -> None:

@@ -37,8 +37,9 @@ from celery._state import _task_stack
 from celery.exceptions import Ignore, Reject, Retry
 from celery.utils import uuid
 
-from . import events, signals, wiring
+from . import events, keyspace, signals, wiring
 from .errors import (
+    AlreadyCompleted,
     ConfigurationError,
     DuplicateCoalesced,
     DuplicateSkipped,
@@ -51,12 +52,12 @@ from .keys import KeyRecipe, LockKey, as_delivered, check_key_options, run_signa
 from .owner import Owner, RunOwnerTexts, claim_prefix, describe_holder
 from .redlock import (
     Acquired,
-    Completed,
-    CompletionMarker,
     Contended,
+    Covered,
     Held,
     Lock,
     Outcome,
+    Record,
     Unavailable,
     jittered,
     new_token,
@@ -90,11 +91,6 @@ UNAVAILABLE_SINCE_HEADER = "celery_redlock_unavailable_since"
 """Message header: when a run first found no quorum (``redlock_unavailable_timeout`` counts
 from then, across deferrals)."""
 
-COMPLETION_PREFIX = "done:"
-"""Completion markers live at ``<key prefix>done:<task id>``."""
-
-PENDING_SUFFIX = ":pending"
-"""The pending slot of a coalescing key is a second lock at ``<key>:pending``."""
 
 # Canvas options whose work would be dropped if the call were answered with another call's
 # result: such calls are always queued.
@@ -308,14 +304,15 @@ class SingletonTask(Task):  # type: ignore[misc]
         owner = plan.owner_texts.text(request.id, retries, nesting, worker)
         key = runtime.redlock.key_for(resource)
         lock = Lock(resource, key, new_token(), validity=0.0, ttl=plan.ttl, owner=owner)
-        completion = None
+        record = None
         if request.id and not request.is_eager and runtime.settings.completed_ttl > 0:
-            completion = CompletionMarker(
-                runtime.settings.key_prefix + COMPLETION_PREFIX + request.id,
-                f"{nesting}:{retries}",
+            record = Record(
+                keyspace.records_key(key, request.id),
+                wiring.message_field(self.name, request),
+                (nesting, retries),
                 runtime.settings.completed_ttl,
             )
-        run = RunLock(runtime, lock, request.id, plan.hold, completion, time.monotonic())
+        run = RunLock(runtime, lock, request.id, plan.hold, record, time.monotonic())
         setattr(request, RUN_ATTRIBUTE, run)
         return run
 
@@ -327,11 +324,11 @@ class SingletonTask(Task):  # type: ignore[misc]
         redlock = plan.runtime.redlock
         options: dict[str, Any] = {
             "token": run.lock.token,
-            "completion": run.completion,
+            "record": run.record,
             "rounds": rounds,
         }
         if self.lock_on_enqueue and run.task_id:
-            options["take_over"] = claim_prefix(run.task_id)
+            options["replaces"] = claim_prefix(run.task_id)
         if wait > 0:
             timeout = None if wait == float("inf") else wait
             return redlock.wait_for(
@@ -346,7 +343,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         while True:
             if isinstance(outcome, Acquired):
                 return outcome.lock
-            if isinstance(outcome, Completed):
+            if isinstance(outcome, Covered):
                 raise self._completed(run)
             if isinstance(outcome, Unavailable):
                 waited = self._wait_for_quorum(plan, run, outcome)
@@ -370,12 +367,11 @@ class SingletonTask(Task):  # type: ignore[misc]
             raise self._defer(run, max(outcome.retry_in, 1.0), "no majority agreed on a holder")
         holder = Owner.parse(outcome.holder)
         relation = _relation(holder, request)
-        if relation == "earlier":
-            raise self._completed(run)  # a later attempt of this task id exists
-        if relation == "same":
-            # The broker delivered this attempt again while its first copy holds the lock (a
-            # visibility timeout, a lost connection, a dead host): run it once that copy is
-            # gone — or acknowledge it then, when the marker says the first copy completed.
+        if relation in ("same", "earlier"):
+            # The broker delivered this attempt again while its first copy (or a later attempt)
+            # holds the lock — a visibility timeout, a lost connection, a dead host — or the
+            # application sent the same task id again: run it once the holder is gone, or
+            # acknowledge it then, when the record says this very message completed.
             self._report_duplicate(run, "redelivered", holder)
             raise self._defer(
                 run, outcome.expires_in + 0.1, f"its first copy holds the lock ({outcome.holder})"
@@ -439,9 +435,9 @@ class SingletonTask(Task):  # type: ignore[misc]
         """
         request = self.request
         runtime = plan.runtime
-        slot_resource = run.lock.resource + PENDING_SUFFIX
+        resource = run.lock.resource
         try:
-            pending = runtime.redlock.holder_of(slot_resource)
+            pending = runtime.redlock.reservation_of(resource)
         except QuorumUnavailable as error:
             return Unavailable(error)
         if pending is not None:
@@ -449,12 +445,14 @@ class SingletonTask(Task):  # type: ignore[misc]
         if request.is_eager:
             return self._attempt(plan, run, wait=plan.wait)
         self._publish_again(run, plan.ttl + 1.0)
-        slot = runtime.redlock.attempt(slot_resource, plan.ttl, run.lock.owner)
+        # The reservation carries the run's own token and owner: while it is held, the lock goes
+        # to this run when it frees, never to a newcomer (who merges into this run instead).
+        slot = runtime.redlock.reserve(resource, plan.ttl, run.lock.owner, token=run.lock.token)
         if not isinstance(slot, Acquired):
-            if isinstance(slot, Held) and run.completion is not None:
+            if isinstance(slot, Held) and run.record is not None:
                 # Another duplicate took the slot first: merge into it, and record this attempt
                 # as completed so that the copy just published is acknowledged when it comes.
-                runtime.redlock.release(run.lock, completion=run.completion)
+                runtime.redlock.release(run.lock, record=run.record)
                 self._join_pending(run, slot, holder_text)
             logger.info(
                 "task %s[%s] lost the race for the pending slot of %s; its copy decides later",
@@ -486,8 +484,6 @@ class SingletonTask(Task):  # type: ignore[misc]
                 run.lock.key,
             )
             raise self._skip(DuplicateCoalesced(run.lock.key, holder_text, into=owner.id))
-        if relation == "earlier":
-            raise self._completed(run)
         raise self._defer(run, pending.expires_in + 0.1, "a copy of it is the pending run")
 
     def _wait_for_quorum(
@@ -567,14 +563,23 @@ class SingletonTask(Task):  # type: ignore[misc]
     # -- decisions that end a delivery without running it -----------------------------------
 
     def _completed(self, run: RunLock) -> Ignore:
-        """This attempt of the task id ran already: acknowledge the message, do not run it."""
+        """This very message ran already (the broker delivered it again): acknowledge it without
+        running it. The first run's stored result stays; a caller or monitor that knows no final
+        state for the id (a forgotten result) gets one: REVOKED, with `AlreadyCompleted`."""
+        request = self.request
         logger.info(
-            "task %s[%s] already ran (attempt %s); not running it again",
+            "task %s[%s] already ran (this message, attempt %s); not running it again",
             self.name,
             run.task_id,
-            run.completion.attempt if run.completion else "?",
+            run.record.rank_text if run.record else "?",
         )
         self._report_duplicate(run, "completed", None)
+        if not (self.ignore_result or getattr(request, "ignore_result", False)):
+            with contextlib.suppress(NotImplementedError):  # no result backend configured
+                if self.backend.get_state(request.id) == states.PENDING:
+                    error = AlreadyCompleted(run.lock.key, request.id)
+                    self.backend.store_result(request.id, error, states.REVOKED, request=request)
+        events.announce_revoked(self, request.id)
         return Ignore()
 
     def _defer(

@@ -1,5 +1,11 @@
-"""Where celery_redlock hooks into the worker besides the task's own ``__call__``.
+"""Where celery_redlock hooks into Celery besides the task's own ``__call__``.
 
+- ``before_task_publish``, in every process that publishes task messages and imports
+  celery_redlock: each new message gets a random identity in the header ``celery_redlock_message``
+  (a message published again as the same message — a retry, a deferral — keeps its own). The
+  broker redelivers a message with its headers, and an application that sends a task id again
+  sends a new message: completion records name the message, so only a redelivery of a message
+  whose body ran is acknowledged without running.
 - ``task_postrun`` fires for every outcome; its handler releases whatever a run left registered
   on its request: an acquisition interrupted between sending and deciding (a soft time limit, a
   signal), or a release interrupted itself. Normally a run has released the moment its body ended.
@@ -13,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import select
 import socket
 import threading
@@ -21,8 +28,8 @@ import weakref
 from typing import Any
 
 from billiard.exceptions import Terminated, WorkerLostError
+from celery import current_app, states
 from celery import signals as celery_signals
-from celery import states
 from celery.bootsteps import CLOSE, RUN, TERMINATE
 from celery.worker.request import Request
 
@@ -34,6 +41,27 @@ logger = logging.getLogger(__name__)
 
 # How the main process learns that the process running a task is gone.
 PROCESS_LOST_ERRORS = (WorkerLostError, Terminated)
+
+MESSAGE_HEADER = "celery_redlock_message"
+"""The message header holding a published message's identity (16 hex digits)."""
+
+
+def name_message(sender: Any = None, headers: dict[str, Any] | None = None, **_: Any) -> None:
+    """``before_task_publish`` handler: give a new message its identity (see the module
+    docstring). Messages of tasks this process knows are not singleton tasks are left alone."""
+    if headers is None or MESSAGE_HEADER in headers:
+        return
+    task = current_app.tasks.get(sender) if isinstance(sender, str) else None
+    if task is not None and not hasattr(task, "lock_plan"):
+        return
+    headers[MESSAGE_HEADER] = secrets.token_hex(8)
+
+
+def message_field(task_name: str, request: Any) -> str:
+    """The completion-record field of the message a request was delivered in: its identity, or,
+    for a message published where celery_redlock was not imported, the task's name."""
+    identity = (request.headers or {}).get(MESSAGE_HEADER)
+    return f"message:{identity}" if isinstance(identity, str) else f"task:{task_name}"
 
 
 def release_leftovers(sender: Any = None, task: Any = None, state: str = "", **_: Any) -> None:
@@ -165,6 +193,9 @@ def start_reaper(sender: Any = None, **_: Any) -> None:
 
 
 # The only module-level state of the package: these signal connections.
+celery_signals.before_task_publish.connect(
+    name_message, weak=False, dispatch_uid="celery_redlock.name_message"
+)
 celery_signals.task_postrun.connect(
     release_leftovers, weak=False, dispatch_uid="celery_redlock.release_leftovers"
 )

@@ -48,7 +48,7 @@ from celery_redlock.beat import LeaderScheduler
 from celery_redlock.testing import RedisNodes, RedisServer
 
 APP_MODULE = "celery_apps.leader_app"
-LEASE_KEY = "redlock:" + RedlockSettings.beat_lease_name
+LEASE_KEY = "redlock:{" + RedlockSettings.beat_lease_name + "}"
 INTERVAL = leader_app.INTERVAL
 LEASE_TTL = leader_app.LEASE_TTL
 EARLY = 0.2

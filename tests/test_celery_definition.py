@@ -145,7 +145,7 @@ def test_app_task_with_base_and_empty_lock_args_locks_the_task_name(
         with pytest.raises(DuplicateSkipped):  # other arguments, same lock: the task name
             nightly_cleanup.delay("tmp").get(timeout=10)
         gate.set()
-        assert first.get(timeout=10) == "redlock:maintenance.nightly_cleanup"
+        assert first.get(timeout=10) == "redlock:{maintenance.nightly_cleanup}"
     assert len(run_log.runs()) == 1
 
 
@@ -191,7 +191,7 @@ def test_subclass_class_attributes_and_class_based_tasks(
         other_account = rebuild.delay(2, "mon").get(timeout=10)  # another key runs meanwhile
         gate.set()
         observed = first.get(timeout=10)
-        assert cleanup.delay("tmp").get(timeout=10) == "redlock:maintenance.class_cleanup tmp"
+        assert cleanup.delay("tmp").get(timeout=10) == "redlock:{maintenance.class_cleanup} tmp"
 
     assert all(0 < pttl <= 9_000 for pttl in observed + other_account)
     assert len(run_log.runs()) == 2

@@ -29,6 +29,7 @@ from celery_redlock import (
     LockNotAcquired,
     Redlock,
     SingletonTask,
+    keyspace,
     singleton_task,
 )
 from celery_redlock.testing import RedisNodes, RedisServer
@@ -51,6 +52,13 @@ OUTCOMES = [
     pytest.param("retry", ["RETRY", "SUCCESS"], id="retry"),
     pytest.param("autoretry", ["RETRY", "SUCCESS"], id="autoretry"),
 ]
+
+
+def resource_of(key: str) -> str:
+    """The resource a documented lock key locks."""
+    resource = keyspace.resource_of("redlock:", key)
+    assert resource is not None, key
+    return resource
 
 
 @pytest.mark.parametrize(("kind", "states"), OUTCOMES)
@@ -138,7 +146,7 @@ def test_eager_mode_takes_and_releases_the_lock(
 
     # Held elsewhere: the eager call is skipped without running its body.
     redlock = _external_redlock(lock_nodes)
-    other = redlock.acquire(key.removeprefix("redlock:"), ttl=30)
+    other = redlock.acquire(resource_of(key), ttl=30)
     assert other is not None
     skipped = eager.delay(1)
     assert skipped.state == "IGNORED"
@@ -175,9 +183,9 @@ def test_a_direct_call_takes_and_releases_the_lock(
 
     redlock = _external_redlock(lock_nodes)
     key = documented_key("life.direct", {"item": 1, "fail": False})
-    other = redlock.acquire(key.removeprefix("redlock:"), ttl=30)
+    other = redlock.acquire(resource_of(key), ttl=30)
     raise_key = documented_key("life.direct_raise", {"item": 5})
-    other_raise = redlock.acquire(raise_key.removeprefix("redlock:"), ttl=30)
+    other_raise = redlock.acquire(resource_of(raise_key), ttl=30)
     assert other is not None and other_raise is not None
     assert direct(1) is None  # on_duplicate="skip": not run
     with pytest.raises(LockNotAcquired):

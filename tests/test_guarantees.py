@@ -21,7 +21,7 @@ from celery.exceptions import Ignore
 from celery_apps.support import (
     LockSignals,
     RunLog,
-    completion_markers,
+    completion_ranks,
     embedded_worker,
     key_gone,
     lock_keys,
@@ -32,6 +32,7 @@ from redlock_support import value_on, values_on, wait_until
 from celery_redlock import DuplicateSkipped, LockLost, SingletonTask, singleton_task
 from celery_redlock.owner import Owner, lock_value, owner_text_of
 from celery_redlock.testing import RedisNodes, RedisServer
+from celery_redlock.wiring import MESSAGE_HEADER
 
 pytest_plugins = ["celery_apps.fixtures"]
 
@@ -102,14 +103,16 @@ def test_a_task_id_that_completed_does_not_run_again(
             return item
 
     task_id = str(uuid.uuid4())
+    # The same message: the same headers, identity included (a re-send would get a new one).
+    message = {"headers": {MESSAGE_HEADER: uuid.uuid4().hex[:16]}}
     with embedded_worker(app):
-        assert job.apply_async((1,), task_id=task_id).get(timeout=10) == 1
-        job.apply_async((1,), task_id=task_id)
+        assert job.apply_async((1,), task_id=task_id, **message).get(timeout=10) == 1
+        job.apply_async((1,), task_id=task_id, **message)
         (again,) = lock_signals.wait("lock_duplicate", task_id=task_id, timeout=10)
         assert again["policy"] == "completed"
         assert job.AsyncResult(task_id).get(timeout=5) == 1  # the first run's result stays
     assert [run["task_id"] for run in run_log.runs()] == [task_id]
-    assert {markers.get(task_id) for markers in completion_markers(lock_nodes)} == {"0:0"}
+    assert completion_ranks(lock_nodes, task_id) == [{"0:0"}] * len(lock_nodes)
 
 
 def test_only_the_attempts_that_ran_are_completed(
@@ -128,10 +131,11 @@ def test_only_the_attempts_that_ran_are_completed(
         return int(self.request.retries)
 
     task_id = str(uuid.uuid4())
+    message = {"headers": {MESSAGE_HEADER: uuid.uuid4().hex[:16]}}  # a retry keeps its identity
     with embedded_worker(app):
-        assert job.apply_async((1,), task_id=task_id).get(timeout=10) == 1
-        job.apply_async((1,), task_id=task_id, retries=0)  # attempt 0 delivered again
-        job.apply_async((1,), task_id=task_id, retries=1)  # attempt 1 delivered again
+        assert job.apply_async((1,), task_id=task_id, **message).get(timeout=10) == 1
+        job.apply_async((1,), task_id=task_id, retries=0, **message)  # attempt 0 delivered again
+        job.apply_async((1,), task_id=task_id, retries=1, **message)  # attempt 1 delivered again
         lock_signals.wait("lock_duplicate", 2, task_id=task_id, timeout=10)
     assert [run["retries"] for run in run_log.runs()] == [0, 1]
     assert {event["policy"] for event in lock_signals.of("lock_duplicate")} == {"completed"}
@@ -487,7 +491,7 @@ def test_an_ignore_from_the_body_still_releases_and_completes(
         result = job.delay()
         (released,) = lock_signals.wait("lock_released", task_id=result.id)
     assert released["state"] == "IGNORED" and released["released"] is True
-    assert {markers.get(result.id) for markers in completion_markers(lock_nodes)} == {"0:0"}
+    assert completion_ranks(lock_nodes, result.id) == [{"0:0"}] * len(lock_nodes)
 
 
 def test_the_stored_owner_names_the_worker_node_in_every_pool(

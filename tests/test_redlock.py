@@ -49,7 +49,7 @@ def test_quorum_needs_a_majority_of_nodes(redis_nodes, caplog, count):
     assert info.value.key == dlm.key_for("quorum")
     # Nothing of ours stays behind on the nodes that are still up.
     assert wait_until(
-        lambda: values_on(nodes.servers[: quorum - 1], "redlock:quorum") == [None] * (quorum - 1)
+        lambda: values_on(nodes.servers[: quorum - 1], "redlock:{quorum}") == [None] * (quorum - 1)
     )
 
 
@@ -81,7 +81,7 @@ def test_validity_accounting_and_pttl_on_every_node(three_nodes):
     took = time.monotonic() - before
     assert isinstance(lock, Lock)
     assert lock.resource == "validity"
-    assert lock.key == "redlock:validity"
+    assert lock.key == "redlock:{validity}"
     assert len(lock.token) == 40 and int(lock.token, 16) >= 0
     assert lock.ttl == ttl
     # validity = ttl - elapsed - drift: never more than ttl - drift, positive, and not much less
@@ -124,7 +124,7 @@ def test_ttl_too_small_or_invalid_raises_configuration_error(one_node):
     with pytest.raises(ConfigurationError, match=r"few tenths of a second"):
         dlm.acquire("small", ttl=0.05)
     # Nothing was written for any of the refused calls.
-    assert value_on(one_node[0], "redlock:small") is None
+    assert value_on(one_node[0], "redlock:{small}") is None
     # The smallest sensible ttl works.
     lock = dlm.acquire("small", ttl=0.2)
     assert lock is not None and 0 < lock.validity < 0.2

@@ -74,12 +74,12 @@ def test_threads_never_hold_the_lock_together(three_nodes):
     # Every release reached a majority. A minority node can keep a key until its ttl only if
     # it was backed off (no reply within node_timeout on a loaded machine) when the release
     # went out: releases skip backed-off nodes. Never without an expiry.
-    left = values_on(three_nodes, "redlock:threads")
+    left = values_on(three_nodes, "redlock:{threads}")
     assert left.count(None) >= 2, left
     for server, value in zip(three_nodes, left, strict=True):
         if value is not None:
-            print(f"left on a minority node: {value} (pttl {pttl_on(server, 'redlock:threads')})")
-            assert 0 <= pttl_on(server, "redlock:threads") <= 10_000
+            print(f"left on a minority node: {value} (pttl {pttl_on(server, 'redlock:{threads}')})")
+            assert 0 <= pttl_on(server, "redlock:{threads}") <= 10_000
 
 
 _PROCESS_WORKER = r"""
@@ -252,8 +252,8 @@ def test_context_manager_releases_and_raises_when_held(three_nodes):
         assert values_on(three_nodes, lock.key) == [lock.value] * 3
         with pytest.raises(LockNotAcquired) as info, dlm.lock("ctx", ttl=5.0):
             pytest.fail("entered a held lock")
-        assert info.value.key == "redlock:ctx"
-        assert "redlock:ctx" in str(info.value)
+        assert info.value.key == "redlock:{ctx}"
+        assert "redlock:{ctx}" in str(info.value)
         assert values_on(three_nodes, lock.key) == [lock.value] * 3  # the holder's lock is intact
     assert values_on(three_nodes, lock.key) == [None] * 3
 

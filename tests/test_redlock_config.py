@@ -57,7 +57,9 @@ BAD_CONSTRUCTOR_ARGUMENTS = [
     pytest.param({"node_timeout": 0}, r"node_timeout must be a positive", id="nt0"),
     pytest.param({"node_timeout": -1}, r"node_timeout must be a positive", id="nt-"),
     pytest.param({"node_timeout": None}, r"node_timeout must be a positive number", id="nt-none"),
-    pytest.param({"key_prefix": 5}, r"key_prefix must be a string such as 'redlock:'", id="prefix"),
+    pytest.param(
+        {"key_prefix": 5}, r"key_prefix must be a non-empty string such as 'redlock:'", id="prefix"
+    ),
 ]
 
 

@@ -204,8 +204,8 @@ def test_lua_matches_owners_of_any_task_id_exactly(
     claim = dlm.acquire("owners", ttl=5.0, owner=Owner(id=task_id, queued=True).to_text())
     assert claim is not None
     if other != task_id:
-        assert isinstance(dlm.attempt("owners", 5.0, take_over=claim_prefix(other)), Held)
-    taken = dlm.attempt("owners", 5.0, take_over=claim_prefix(task_id))
+        assert isinstance(dlm.attempt("owners", 5.0, replaces=claim_prefix(other)), Held)
+    taken = dlm.attempt("owners", 5.0, replaces=claim_prefix(task_id))
     assert isinstance(taken, Acquired)
     assert dlm.release(taken.lock) is True
 

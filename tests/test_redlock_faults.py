@@ -86,7 +86,7 @@ def test_hung_node_is_backed_off_after_one_timeout(three_nodes):
     assert NODE_TIMEOUT * 0.9 <= first.elapsed < NODE_TIMEOUT + 0.1
     assert second.elapsed < NODE_TIMEOUT / 4
     # Nothing of ours stays on the node that answered.
-    assert wait_until(lambda: value_on(three_nodes[2], "redlock:backoff") is None, timeout=1.0)
+    assert wait_until(lambda: value_on(three_nodes[2], "redlock:{backoff}") is None, timeout=1.0)
 
 
 def test_majority_killed_is_refused_quickly(three_nodes):
@@ -100,7 +100,7 @@ def test_majority_killed_is_refused_quickly(three_nodes):
     assert watch.elapsed < 2 * 1.5 * 0.05 + 0.1
     assert info.value.needed == 2
     assert "check that the redlock_urls servers are up" in str(info.value)
-    assert wait_until(lambda: value_on(three_nodes[2], "redlock:majority-dead") is None, 1.0)
+    assert wait_until(lambda: value_on(three_nodes[2], "redlock:{majority-dead}") is None, 1.0)
 
 
 def test_majority_hung_is_refused_within_bounded_time(three_nodes):
@@ -113,7 +113,7 @@ def test_majority_hung_is_refused_within_bounded_time(three_nodes):
             dlm.acquire("majority-hung", ttl=1.0)
         with Stopwatch() as again, pytest.raises(QuorumUnavailable):
             dlm.acquire("majority-hung", ttl=1.0)
-        assert wait_until(lambda: value_on(three_nodes[2], "redlock:majority-hung") is None, 1.0)
+        assert wait_until(lambda: value_on(three_nodes[2], "redlock:{majority-hung}") is None, 1.0)
     finally:
         three_nodes[0].resume()
         three_nodes[1].resume()
@@ -127,7 +127,7 @@ def test_majority_hung_is_refused_within_bounded_time(three_nodes):
     assert again.elapsed < 3 * NODE_TIMEOUT + 2 * 1.5 * 0.05 + 0.1
     # SETs that were stuck in the hung nodes' buffers land late but expire with the ttl (1 s).
     assert wait_until(
-        lambda: values_on(three_nodes, "redlock:majority-hung") == [None] * 3, timeout=2.0
+        lambda: values_on(three_nodes, "redlock:{majority-hung}") == [None] * 3, timeout=2.0
     )
 
 
@@ -141,7 +141,7 @@ def test_restarted_empty_node_rejoins_after_backoff(three_nodes, caplog):
     assert dlm.release(lock) is True
     assert "is unavailable" in caplog.text
     three_nodes[2].restart()
-    assert value_on(three_nodes[2], "redlock:rejoin") is None  # came back empty
+    assert value_on(three_nodes[2], "redlock:{rejoin}") is None  # came back empty
 
     restarted = time.monotonic()
     used_again = []
@@ -160,7 +160,7 @@ def test_restarted_empty_node_rejoins_after_backoff(three_nodes, caplog):
     print(f"\nrestarted node used again {used_again[0] * 1000:.0f} ms after its restart")
     assert "answers again" in caplog.text
     # Its script cache was empty (NOSCRIPT) and it still takes part in release.
-    assert wait_until(lambda: value_on(three_nodes[2], "redlock:rejoin") is None, timeout=1.0)
+    assert wait_until(lambda: value_on(three_nodes[2], "redlock:{rejoin}") is None, timeout=1.0)
 
 
 def test_scripts_are_resent_after_script_flush(three_nodes):

@@ -30,6 +30,7 @@ from kombu.asynchronous import set_event_loop
 from redlock_support import values_on, wait_until
 
 from celery_apps.subprocesses import Recorder
+from celery_redlock import keyspace
 from celery_redlock import signals as lock_signals_module
 from celery_redlock.testing import RedisNodes, RedisServer
 
@@ -43,14 +44,14 @@ def documented_key(
     prefix + task name + ':' + sha256 of the canonical JSON of the bound arguments (None:
     ``lock_args=()``, the task name alone)."""
     if arguments is None:
-        return prefix + task_name
+        return prefix + "{" + task_name + "}"
     text = json.dumps(arguments, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return f"{prefix}{task_name}:{hashlib.sha256(text.encode()).hexdigest()}"
+    return f"{prefix}{{{task_name}:{hashlib.sha256(text.encode()).hexdigest()}}}"
 
 
 def template_key(rendered: str, prefix: str = "redlock:") -> str:
     """The key of a ``lock_key`` template or callable that rendered ``rendered``."""
-    return f"{prefix}key:{hashlib.sha256(rendered.encode()).hexdigest()}"
+    return f"{prefix}{{key:{hashlib.sha256(rendered.encode()).hexdigest()}}}"
 
 
 def make_app(
@@ -270,32 +271,23 @@ class RunLog(Recorder):
                 )
 
 
-FENCE_SUFFIX = ":fence"  # a lock's fencing counter, which outlives its release until its ttl
-COMPLETION_PREFIX = "redlock:done:"  # a task id's completion marker, kept after the run
+def lock_keys(nodes: RedisNodes, prefix: str = "redlock:") -> list[set[str]]:
+    """The lock keys on each lock node (fencing counters and completion records left out)."""
+    return [{key for key in keys if keyspace.is_lock_key(prefix, key)} for keys in all_keys(nodes)]
 
 
-def lock_keys(nodes: RedisNodes) -> list[set[str]]:
-    """The lock keys on each lock node (fencing counters and completion markers left out)."""
-    return [
-        {
-            key
-            for key in keys
-            if not key.endswith(FENCE_SUFFIX) and not key.startswith(COMPLETION_PREFIX)
-        }
-        for keys in all_keys(nodes)
-    ]
-
-
-def completion_markers(nodes: RedisNodes) -> list[dict[str, str]]:
-    """Per lock node, the completion markers: task id -> the last attempt that ran."""
-    markers = []
+def completion_ranks(nodes: RedisNodes, task_id: str) -> list[set[str]]:
+    """Per lock node, the attempts ("nesting:retries") recorded as completed for ``task_id``,
+    over every message and lock key it ran under."""
+    suffix = keyspace.records_key("", task_id)
+    ranks = []
     for server in nodes:
         with server.client(decode_responses=True, socket_timeout=2) as client:
-            keys = list(client.scan_iter(match=COMPLETION_PREFIX + "*"))
-            values = client.mget(keys) if keys else []
-            pairs = zip(keys, values, strict=True)
-            markers.append({key.removeprefix(COMPLETION_PREFIX): value for key, value in pairs})
-    return markers
+            found: set[str] = set()
+            for key in client.scan_iter(match="*" + suffix):
+                found.update(client.hvals(key))
+            ranks.append(found)
+    return ranks
 
 
 def all_keys(nodes: RedisNodes) -> list[set[str]]:
