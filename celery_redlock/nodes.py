@@ -227,7 +227,8 @@ class Node:
             # PING is in the least-privilege ACL README documents; a user denied it still shows
             # that the node answers (its NOPERM is an answer), so it does not count against it.
             connection.send_command("PING", check_health=False)
-            connection.read_response()
+            if connection.read_response() not in (b"PONG", "PONG"):
+                raise ResponseError("the node does not answer PING with PONG")
         except ResponseError as error:
             if not str(error).startswith("NOPERM"):
                 self.mark_down(time.monotonic(), error)
@@ -478,8 +479,8 @@ class Round:
             self.why_not[index] = link.node.last_error
 
     def decided(self) -> bool:
-        """True once the outcome is known: a quorum succeeded, or it can no longer succeed and
-        the replies in flight can no longer tell "refused by a majority" from "no quorum"."""
+        """True once the outcome is known: a quorum succeeded, a majority refused, or no quorum
+        can succeed and every reply in flight has been read."""
         if self.every:
             return False
         quorum = self.group.quorum
@@ -487,7 +488,10 @@ class Round:
             return True
         if self.failures < len(self.links) - quorum + 1:
             return False
-        return self.answered >= quorum or self.answered + len(self.waiting) < quorum
+        # No quorum can succeed. Refused by a majority is an answer; otherwise the replies in
+        # flight are still read (within node_timeout), so that the count of nodes that answered
+        # is right when the caller reports "no quorum".
+        return self.answered >= quorum or not self.waiting
 
     def collect_replies(self) -> None:
         """Read replies as they arrive until the outcome is known or node_timeout has passed

@@ -251,3 +251,32 @@ def test_unencodable_arguments_fail_with_lock_key_error_and_the_worker_goes_on(
         assert ingest.delay("last").get(timeout=10) == "last"
     assert ran == [{"ok": [1, 2]}, None]  # the failed calls never ran their body
     assert all(not keys for keys in lock_keys(lock_nodes))
+
+
+def test_deeply_nested_arguments_fail_with_lock_key_error_naming_them(
+    broker: RedisServer, lock_nodes: RedisNodes
+) -> None:
+    app = make_app(broker, lock_nodes)
+
+    @singleton_task(app=app, shared=False, name="keys.deep")
+    def deep(source: str, tree: object = None) -> str:
+        return source
+
+    nested: list[object] = []
+    innermost = nested
+    for _ in range(500):  # deeper than Python's own recursion would allow to encode
+        innermost.append([])
+        innermost = innermost[0]  # type: ignore[assignment]
+    with pytest.raises(LockKeyError, match=r"'tree'.*nested more than 100 levels"):
+        deep.lock_key_for("feed", tree=nested)
+    cycle: list[object] = []
+    cycle.append(cycle)
+    with pytest.raises(LockKeyError, match="'tree'"):
+        deep.lock_key_for("feed", tree=cycle)
+    # Through a worker: the run fails with the same error, and the worker goes on.
+    shallow = {"a": [[{"b": 1}]]}
+    with embedded_worker(app, concurrency=1, pool="solo"):
+        failed = deep.delay("feed", tree=nested)
+        with pytest.raises(LockKeyError, match="'tree'"):
+            failed.get(timeout=10)
+        assert deep.delay("ok", tree=shallow).get(timeout=10) == "ok"
