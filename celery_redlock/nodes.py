@@ -116,24 +116,34 @@ def _pollable_class(connection_class: type[AbstractConnection]) -> type[Abstract
     return type(f"Pollable{connection_class.__name__}", (connection_class,), {"fileno": _fileno})
 
 
+ACL_HINT = "apply the least-privilege ACL line of README's 'TLS, passwords, ACL users'"
+
+# How nodes say that the ACL user may not do something: NOPERM replies, and the errors of commands
+# run inside scripts (which the scripts' call() suffixes with "[command <name>]").
+_DENIED = ("NOPERM", "can't run this command", "No permissions to access")
+
+
 def describe_failure(reason: object) -> str:
-    """A one-line account of why a node gave no usable reply; a denied command (NOPERM) names the
-    command and the ACL rule that grants it, instead of looking like a network failure."""
+    """A one-line account of why a node gave no usable reply. A denied command names the command
+    and the ACL rule that grants it, instead of looking like a network failure."""
     text = str(reason)
-    if "NOPERM" in text:
-        match = re.search(r"run the '([^']+)' command", text)
-        if match:
-            command = match.group(1).lower()
-            return (
-                f"the node's user may not run {command!r} (NOPERM); grant it with "
-                f"ACL SETUSER <user> +{command}, or apply the ACL line in README's "
-                "'TLS, passwords, ACL users'"
-            )
+    if not any(marker in text for marker in _DENIED):
+        return text
+    named = re.search(r"run the '([^']+)' command", text) or re.search(
+        r"\[command ([^\]]+)\]", text
+    )
+    if "access a key" in text or "access a channel" in text:
         return (
-            f"{text} — the node's user lacks a permission; apply the ACL line in README's "
-            "'TLS, passwords, ACL users'"
+            f"NOPERM: the node's user may not use celery_redlock's keys or channels ({text}); "
+            f"its ACL needs ~<key prefix>* and &<key prefix>*; {ACL_HINT}"
         )
-    return text
+    if named is not None:
+        command = named.group(1).lower()
+        return (
+            f"NOPERM: the node's user may not run {command!r}; grant it with "
+            f"ACL SETUSER <user> +{command}, or {ACL_HINT}"
+        )
+    return f"NOPERM: the node's user lacks a permission ({text}); {ACL_HINT}"
 
 
 class Node:
@@ -230,10 +240,10 @@ class Node:
             if connection.read_response() not in (b"PONG", "PONG"):
                 raise ResponseError("the node does not answer PING with PONG")
         except ResponseError as error:
-            if not str(error).startswith("NOPERM"):
-                self.mark_down(time.monotonic(), error)
+            if str(error).startswith("NOPERM"):
+                self._suspect = False  # the node answers; the user may not PING (see module)
             else:
-                self._suspect = False
+                self.mark_down(time.monotonic(), error)
         except (RedisClientError, OSError) as error:
             self.mark_down(time.monotonic(), error)
         else:

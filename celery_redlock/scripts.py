@@ -33,6 +33,19 @@ class Script:
         object.__setattr__(self, "sha", hashlib.sha1(self.source.encode()).hexdigest())
 
 
+# Every command goes through call(): an error (a command or key the node's ACL user may not use,
+# out of memory, a read-only replica) becomes an error reply that names the command, so that the
+# caller can say which permission is missing (Redis 7 does not name it for commands in scripts).
+_CALL = """
+local function call(...)
+    local reply = redis.pcall(...)
+    if type(reply) == 'table' and reply.err then
+        error({err = reply.err .. ' [command ' .. string.lower((...)) .. ']'})
+    end
+    return reply
+end
+"""
+
 # A record holds a rank "major:minor" (two whole numbers); a stored rank covers every rank it is
 # not below. A missing or malformed record covers nothing.
 _COVERS = """
@@ -50,8 +63,8 @@ end
 # The fencing counter lives at least as long as every lock it fenced: never shortened.
 _KEEP_FENCE = """
 local function keep_fence(fence_key, milliseconds)
-    if redis.call('PTTL', fence_key) < milliseconds then
-        redis.call('PEXPIRE', fence_key, milliseconds)
+    if call('PTTL', fence_key) < milliseconds then
+        call('PEXPIRE', fence_key, milliseconds)
     end
 end
 """
@@ -70,28 +83,29 @@ COVERED_REPLY = b"COVERED"
 # The fencing token is max(counter + 1, caller's clock): nodes that saw the same history agree.
 ACQUIRE = Script(
     "acquire",
-    _COVERS
+    _CALL
+    + _COVERS
     + """
-if KEYS[4] and covers(redis.call('HGET', KEYS[4], ARGV[5]), ARGV[6]) then
+if KEYS[4] and covers(call('HGET', KEYS[4], ARGV[5]), ARGV[6]) then
     return redis.status_reply('COVERED')
 end
-local value = redis.call('GET', KEYS[1])
+local value = call('GET', KEYS[1])
 local free = not value or value == ARGV[1]
 if value and not free and ARGV[4] ~= '' then
     local owner = string.sub(value, (string.find(value, '|', 1, true) or #value) + 1)
     free = string.sub(owner, 1, #ARGV[4]) == ARGV[4]
 end
 if not free then
-    return {value, redis.call('PTTL', KEYS[1])}
+    return {value, call('PTTL', KEYS[1])}
 end
-local reserved = redis.call('GET', KEYS[3])
+local reserved = call('GET', KEYS[3])
 if reserved and reserved ~= ARGV[1] then
-    return {reserved, redis.call('PTTL', KEYS[3])}
+    return {reserved, call('PTTL', KEYS[3])}
 end
-redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-local fence = math.max((tonumber(redis.call('GET', KEYS[2])) or 0) + 1, tonumber(ARGV[3]))
-local keep = math.max(tonumber(ARGV[2]), redis.call('PTTL', KEYS[2]))
-redis.call('SET', KEYS[2], string.format('%.0f', fence), 'PX', keep)
+call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+local fence = math.max((tonumber(call('GET', KEYS[2])) or 0) + 1, tonumber(ARGV[3]))
+local keep = math.max(tonumber(ARGV[2]), call('PTTL', KEYS[2]))
+call('SET', KEYS[2], string.format('%.0f', fence), 'PX', keep)
 return fence
 """,
 )
@@ -100,10 +114,11 @@ return fence
 # the token a new holder got elsewhere, so that every later acquisition on a majority sees it.
 RAISE_FENCE = Script(
     "raise_fence",
-    _KEEP_FENCE
+    _CALL
+    + _KEEP_FENCE
     + """
-if (tonumber(redis.call('GET', KEYS[1])) or 0) < tonumber(ARGV[1]) then
-    redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+if (tonumber(call('GET', KEYS[1])) or 0) < tonumber(ARGV[1]) then
+    call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 end
 keep_fence(KEYS[1], tonumber(ARGV[2]))
 return 1
@@ -118,22 +133,23 @@ return 1
 # back the lock of a holder that may be gone. The extension counts only where a majority confirms.
 EXTEND = Script(
     "extend",
-    _KEEP_FENCE
+    _CALL
+    + _KEEP_FENCE
     + """
-local value = redis.call('GET', KEYS[1])
+local value = call('GET', KEYS[1])
 if value == ARGV[1] then
-    redis.call('PEXPIRE', KEYS[1], ARGV[2])
+    call('PEXPIRE', KEYS[1], ARGV[2])
 elseif value then
     return 0
 else
-    local now = redis.call('TIME')
+    local now = call('TIME')
     if tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000) > tonumber(ARGV[4]) then
         return 0
     end
-    redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+    call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 end
-if (tonumber(redis.call('GET', KEYS[2])) or 0) < tonumber(ARGV[3]) then
-    redis.call('SET', KEYS[2], ARGV[3], 'PX', ARGV[2])
+if (tonumber(call('GET', KEYS[2])) or 0) < tonumber(ARGV[3]) then
+    call('SET', KEYS[2], ARGV[3], 'PX', ARGV[2])
 end
 keep_fence(KEYS[2], tonumber(ARGV[2]))
 return 1
@@ -148,26 +164,27 @@ return 1
 # The PUBLISH is a pcall: an ACL user may lack channel permissions, and the release counts anyway.
 RELEASE = Script(
     "release",
-    _COVERS
+    _CALL
+    + _COVERS
     + _KEEP_FENCE
     + """
 local released = 0
-if redis.call('GET', KEYS[1]) == ARGV[1] then
+if call('GET', KEYS[1]) == ARGV[1] then
     local hold = tonumber(ARGV[2])
     if hold > 0 then
-        redis.call('PEXPIRE', KEYS[1], hold)
+        call('PEXPIRE', KEYS[1], hold)
         keep_fence(KEYS[2], hold)
     else
-        redis.call('DEL', KEYS[1])
+        call('DEL', KEYS[1])
         redis.pcall('PUBLISH', KEYS[1], 'released')
     end
     released = 1
 end
 if KEYS[3] then
-    if not covers(redis.call('HGET', KEYS[3], ARGV[3]), ARGV[4]) then
-        redis.call('HSET', KEYS[3], ARGV[3], ARGV[4])
+    if not covers(call('HGET', KEYS[3], ARGV[3]), ARGV[4]) then
+        call('HSET', KEYS[3], ARGV[3], ARGV[4])
     end
-    redis.call('PEXPIRE', KEYS[3], ARGV[5])
+    call('PEXPIRE', KEYS[3], ARGV[5])
 end
 return released
 """,
@@ -175,7 +192,7 @@ return released
 )
 
 # KEYS[1] lock key. Returns {current value or '', its pttl in ms}: who holds it, without taking it.
-READ = Script("read", "return {redis.call('GET', KEYS[1]) or '', redis.call('PTTL', KEYS[1])}")
+READ = Script("read", _CALL + "return {call('GET', KEYS[1]) or '', call('PTTL', KEYS[1])}")
 
 # KEYS[1] lock key (its name checked by the caller: `keyspace.is_lock_key`). Deletes it whoever
 # holds it (operators' forced release), but only when it holds a lock value — a string of 40
