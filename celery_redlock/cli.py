@@ -3,8 +3,9 @@
 
 This module only parses arguments, calls `celery_redlock.admin` and prints what it returns, for
 people or (``--json``) for scripts. Every subcommand takes ``--timeout`` (seconds per node and
-command) and exits with status 1 when fewer than a majority of lock nodes answer. Lock tokens are
-never printed: they are what allows a release.
+command) and exits with status 1 when fewer than a majority of lock nodes answer (``release``
+also when the key is not a lock). A node that misbehaves is a line of output; no error prints a
+traceback, only a one-line reason. Lock tokens are never printed: they are what allows a release.
 """
 
 from __future__ import annotations
@@ -81,12 +82,23 @@ def session(context: click.Context, as_json: bool) -> Iterator[Session]:
     logger.setLevel(logging.ERROR)
     try:
         yield Session(app, as_json, not getattr(context.obj, "no_color", False))
+    except (click.ClickException, click.Abort):
+        raise
     except ConfigurationError as error:
         raise click.ClickException(f"invalid celery_redlock configuration: {error}") from error
     except (RedlockError, ValueError) as error:
         raise click.ClickException(str(error)) from error
+    except Exception as error:  # an operator gets one line, never a traceback
+        raise click.ClickException(
+            f"unexpected {type(error).__name__}: {one_line(str(error))} (please report this)"
+        ) from error
     finally:
         logger.setLevel(level)
+
+
+def one_line(text: str) -> str:
+    """``text`` on one line (line breaks become spaces)."""
+    return " ".join(text.split())
 
 
 def common_options(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -150,6 +162,8 @@ def status(context: click.Context, as_json: bool, timeout: float) -> None:
             up = current.style("up  ", fg="green") if node.reachable else None
             state = up or current.style("DOWN", fg="red", bold=True)
             click.echo(f"  {state} {node.node}  {node.summary()}")
+            for unread in node.could_not_read:
+                click.echo(current.style(f"       could not read {unread}", fg="yellow"))
         warnings = report.warning_lines()
         if warnings:
             click.echo(current.style("Warnings:", fg="yellow", bold=True))
@@ -273,8 +287,9 @@ def release(
     context: click.Context, given_key: str, force: bool, yes: bool, as_json: bool, timeout: float
 ) -> None:
     """Delete the lock KEY (a full key, or a resource without the key prefix) on every node,
-    whoever holds it. A holder still running is not stopped; `reap` frees only the locks whose
-    holder is proven gone."""
+    whoever holds it. Only a lock is deleted: a key that is not a lock (a fencing counter,
+    completion or schedule records, any other value) is refused and left alone. A holder still
+    running is not stopped; `reap` frees only the locks whose holder is proven gone."""
     if not force:
         raise click.UsageError(
             "refusing to release without --force: a forced release lets another run start "
@@ -296,21 +311,28 @@ def release(
 
     def human() -> None:
         total = result.nodes_total
-        if not result.found:
+        if not result.found and not result.refused:
             reachable = total - len(result.unreachable)
             nowhere = f"is on none of the {reachable} reachable nodes: nothing to release."
             click.echo(f"Lock {result.key} {nowhere}")
+        elif not result.found:
+            click.echo(f"Nothing released: {result.key} is no lock on any reachable node.")
         else:
             deleted = len(result.deleted_on)
             click.echo(f"Released {result.key}: deleted on {deleted} of {total} nodes.")
             for name in result.still_present_on:
                 warning = f"  still present on {name}: the deletion did not reach it"
                 click.echo(current.style(warning, fg="red"))
+        for line in result.refusal_lines():
+            click.echo(current.style(f"  refused: {line}; left alone", fg="red"))
         current.echo_unreachable(result.unreachable)
         if result.unreachable and result.found:
             click.echo("  copies on unreachable nodes expire by their ttl (or run this again)")
 
     current.emit(result.to_json(), human)
+    if result.refused:
+        nodes = ", ".join(refusal.node for refusal in result.refused)
+        fail(f"{result.key} is not a lock: {result.refused[0].reason} (on {nodes}); left alone")
     fail_without_quorum(result, "be sure the lock is released")
 
 

@@ -653,12 +653,6 @@ class Redlock:
         )
         return result.successes
 
-    def force_release(self, resource: str) -> int:
-        """Delete the lock on ``resource`` whoever holds it (operators only); nodes that did."""
-        key = self.key_for(resource)
-        result = self._group.run(scripts.FORCE_RELEASE, (key,), (), judge_zero_or_one, every=True)
-        return result.successes
-
     def close(self) -> None:
         """Close this process's idle connections to the nodes."""
         self._group.close()

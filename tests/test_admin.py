@@ -16,12 +16,20 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from celery.bootsteps import CLOSE, RUN
 from celery_apps.subprocesses import WorkerProcess, app_environment, celery_processes
 from celery_apps.support import LockSignals, RunLog, embedded_worker, key_gone, make_app
 from cli_app import create_app
 from redlock_support import values_on, wait_until
 
-from celery_redlock import ConfigurationError, QuorumUnavailable, Redlock, SingletonTask, admin
+from celery_redlock import (
+    ConfigurationError,
+    QuorumUnavailable,
+    Redlock,
+    SingletonTask,
+    admin,
+    keyspace,
+)
 from celery_redlock.owner import Owner
 from celery_redlock.settings import RedlockSettings
 from celery_redlock.testing import RedisNodes, RedisServer
@@ -107,11 +115,15 @@ def test_held_locks_show_holders_beat_leader_and_never_tokens(three_nodes: Redis
     task_owner = Owner.here("cli_app.sync_account", "run-1", 2, 1, worker=f"alpha@{HOST}")
     task_lock = take(three_nodes, "cli_app.sync_account:abc", task_owner)
     lease = take(three_nodes, "celery-beat-leader", Owner.here(None, None, role="beat leader"))
+    prefix = RedlockSettings.key_prefix
+    leftover = keyspace.lock_key(prefix, "leftover")
     with three_nodes[0].client() as client:
-        client.set("redlock:done:run-0", "0:0", px=60_000)  # a completion marker
-        client.set("redlock:celery-beat-leader:schedule", "{}")  # the leader's records
-        client.lpush("redlock:not-a-string", "x")  # something else under the prefix
-        client.set("redlock:leftover", "f" * 40 + "|{}", px=5000)  # a minority leftover
+        client.hset(keyspace.records_key(task_lock.key, "run-0"), "run", "0:0")  # completion
+        client.set(keyspace.schedule_key(lease.key), "{}")  # the leader's records
+        client.set(keyspace.fence_key(lease.key), "7")  # a fencing counter
+        client.lpush(keyspace.lock_key(prefix, "a-list"), "x")  # not a string
+        client.set(keyspace.lock_key(prefix, "app"), "important")  # not a lock value
+        client.set(leftover, "f" * 40 + "|{}", px=5000)  # a minority leftover
 
     locks = admin.held_locks(app, timeout=FAST)
 
@@ -132,7 +144,7 @@ def test_held_locks_show_holders_beat_leader_and_never_tokens(three_nodes: Redis
     shown = repr(locks) + str([record.to_json() for record in locks])
     assert task_lock.token not in shown and lease.token not in shown
     listing = admin.lock_listing(app, timeout=FAST)
-    assert [record.key for record in listing.minority] == ["redlock:leftover"]
+    assert [record.key for record in listing.minority] == [leftover]
 
     three_nodes[1].kill()
     three_nodes[2].kill()
@@ -145,14 +157,15 @@ def test_lock_key_holder_and_force_release(three_nodes: RedisNodes) -> None:
     sync_account = app.tasks["cli_app.sync_account"]
     key = admin.lock_key(app, "cli_app.sync_account", 42, full=True)
     assert key == sync_account.lock_key_for(42, full=True) == sync_account.lock_key_for(42)
-    assert admin.lock_key(app, "cli_app.nightly_cleanup") == "redlock:cli_app.nightly_cleanup"
+    nightly = app.tasks["cli_app.nightly_cleanup"]
+    assert admin.lock_key(app, "cli_app.nightly_cleanup") == nightly.lock_key_for()
     with pytest.raises(admin.UnknownTask, match=r"did you mean cli_app\.sync_account"):
         admin.lock_key(app, "cli_app.sync_acount", 1)
     with pytest.raises(admin.UnknownTask, match="is not a SingletonTask"):
         admin.lock_key(app, "cli_app.plain")
 
     assert admin.holder(app, "cli_app.sync_account", 42) is None
-    resource = key.removeprefix("redlock:")
+    resource = admin.call_key(app, "cli_app.sync_account", [42]).resource
     lock = take(three_nodes, resource, Owner.here("cli_app.sync_account", "run-42"))
     held = admin.holder(app, "cli_app.sync_account", account_id=42)
     assert held is not None and held.task_id == "run-42" and held.key == key
@@ -165,8 +178,8 @@ def test_lock_key_holder_and_force_release(three_nodes: RedisNodes) -> None:
     assert values_on(three_nodes, key) == [None, None, None]
     assert lock.token not in str(result.to_json())
     assert not admin.force_release(app, key, timeout=FAST).found
-    with pytest.raises(ValueError, match="fencing counter"):
-        admin.force_release(app, key + ":fence")
+    with pytest.raises(admin.NotALock, match=r"is not a lock: it is a fencing counter"):
+        admin.force_release(app, keyspace.fence_key(key))
 
 
 def test_reap_settings_are_validated() -> None:
@@ -397,3 +410,33 @@ def test_workers_reap_on_a_timer_when_configured(
         return not any(thread.name == "celery-redlock reaper" for thread in threading.enumerate())
 
     assert wait_until(reaper_stopped, timeout=5)  # it ends with its worker
+
+
+class StubWorker:
+    """Stands for a Celery `WorkController` as the reaper timer sees it: a blueprint state."""
+
+    def __init__(self) -> None:
+        self.blueprint = type("Blueprint", (), {"state": RUN})()
+
+
+def test_the_reaper_thread_reaps_while_its_worker_runs(three_nodes: RedisNodes) -> None:
+    assert admin.start_reaper_thread(create_app(three_nodes.urls), StubWorker()) is None  # off
+    app = create_app(three_nodes.urls)
+    app.conf.update(redlock_reap_interval=0.05, redlock_reap_grace=0)
+    dead = ghost("cli_app.sync_account", "t1", host=HOST, pid=dead_pid(), worker=None)
+    lock = take(three_nodes, admin.call_key(app, "cli_app.sync_account", [1]).resource, dead)
+    worker = StubWorker()
+    worker.blueprint.state = CLOSE  # a worker shutting down: the thread ends, reaping nothing
+
+    thread = admin.start_reaper_thread(app, worker)
+
+    assert thread is not None and thread.name == "celery-redlock reaper" and thread.daemon
+    thread.join(5)
+    assert not thread.is_alive() and values_on(three_nodes, lock.key) == [lock.value] * 3
+    worker = StubWorker()
+    thread = admin.start_reaper_thread(app, worker)
+    assert thread is not None
+    assert wait_until(lambda: key_gone(three_nodes, lock.key), timeout=10)
+    worker.blueprint.state = CLOSE
+    thread.join(5)
+    assert not thread.is_alive()

@@ -15,46 +15,16 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
-from celery.bin.base import CLIContext
-from cli_app import GATE, URLS_VARIABLE, create_app
-from click.testing import CliRunner, Result
+from cli_app import GATE, create_app
+from cli_support import FAST, as_json, invoke, run_celery
 from redlock_support import value_on, values_on, wait_until
 
-from celery_redlock import Lock, Redlock
-from celery_redlock.cli import redlock
+from celery_redlock import Lock, Redlock, keyspace
 from celery_redlock.owner import Owner
+from celery_redlock.settings import RedlockSettings
 from celery_redlock.testing import RedisNodes
-
-REPOSITORY = Path(__file__).resolve().parent.parent
-FAST = ("--timeout", "0.3")
-
-
-def run_celery(urls: list[str], *arguments: str) -> subprocess.CompletedProcess[str]:
-    """``celery -A tests.cli_app redlock ARGUMENTS`` in a subprocess, as an operator runs it."""
-    environment = dict(os.environ, PYTHONPATH=str(REPOSITORY))
-    environment[URLS_VARIABLE] = ",".join(urls)
-    return subprocess.run(
-        [sys.executable, "-m", "celery", "-A", "tests.cli_app", "redlock", *arguments],
-        cwd=REPOSITORY,
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-
-
-def invoke(app: Any, *arguments: str, input: str | None = None) -> Result:
-    """The command in-process, with the app Celery's ``-A`` would have loaded."""
-    context = CLIContext(app=app, no_color=True, workdir=None)
-    return CliRunner().invoke(redlock, list(arguments), obj=context, input=input)
-
-
-def as_json(result: Result) -> Any:
-    """The JSON a ``--json`` run printed on stdout."""
-    return json.loads(result.stdout)
 
 
 def take_lock(
@@ -178,6 +148,10 @@ def test_status_warns_about_settings_that_weaken_safety(redis_nodes: Any) -> Non
     assert "s3cret" not in result.output
     assert f"redis://operator:***@{first.host}:{first.port}/0" in result.stdout
     assert "AOF on, appendfsync unknown (CONFIG GET not allowed)" in result.stdout
+    assert (
+        "could not read appendfsync (CONFIG GET): the node's user may not run 'config|get'; "
+        "grant it with ACL SETUSER operator +config|get"
+    ) in result.stdout
     assert "are the same Redis server (same run_id)" in result.stdout
     assert "an even number" not in result.stdout
 
@@ -188,8 +162,9 @@ def test_status_warns_about_settings_that_weaken_safety(redis_nodes: Any) -> Non
 def test_list_shows_the_holder_and_never_the_token(three_nodes: RedisNodes) -> None:
     app = create_app(three_nodes.urls)
     lock = take_lock(three_nodes, "cli_app.sync_account:abc", "task-123")
+    leftover = keyspace.lock_key(RedlockSettings.key_prefix, "leftover")
     with three_nodes[0].client() as client:  # a leftover of a failed acquisition: one node only
-        client.set("redlock:leftover", "f" * 40 + '|{"task":"cli_app.rebuild_report"}', px=5000)
+        client.set(leftover, "f" * 40 + '|{"task":"cli_app.rebuild_report"}', px=5000)
 
     result = invoke(app, "list", "--json", *FAST)
 
@@ -206,7 +181,7 @@ def test_list_shows_the_holder_and_never_the_token(three_nodes: RedisNodes) -> N
     assert (entry["host"], entry["pid"]) == (socket.gethostname(), os.getpid())
     assert (entry["nodes_holding"], entry["nodes_total"]) == (3, 3)
     assert 25 < entry["time_left_seconds"] <= 30
-    assert [leftover["key"] for leftover in report["minority"]] == ["redlock:leftover"]
+    assert [entry["key"] for entry in report["minority"]] == [leftover]
     assert report["minority"][0]["nodes_holding"] == 1
     assert lock.token not in result.output
 
@@ -219,7 +194,7 @@ def test_list_shows_the_holder_and_never_the_token(three_nodes: RedisNodes) -> N
     assert "task      cli_app.sync_account  id task-123  retries 2" in result.stdout
     assert f"host {socket.gethostname()}, pid {os.getpid()}" in result.stdout
     assert "on 2/3 nodes" in result.stdout
-    assert "redlock:leftover  (NOT held)" in result.stdout
+    assert f"{leftover}  (NOT held)" in result.stdout
     assert ":fence" not in result.stdout
 
     three_nodes[2].kill()

@@ -1,0 +1,263 @@
+"""The locks themselves: which are held and by whom, the key a call locks, forced release.
+
+Key names come from `celery_redlock.keyspace` only. A forced release deletes a key only when its
+name is a lock key and — checked atomically on each node, by `scripts.FORCE_RELEASE` — its value
+there is a lock value; anything else is refused by name and left alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from .. import keyspace, scripts
+from ..errors import QuorumUnavailable
+from ..runtime import AppRuntime
+from ..task import SingletonTask
+from .fan_out import BadReply, NodeClient, ask_every_node, text
+from .reading import LockReader, unreachable_nodes
+from .records import (
+    DEFAULT_TIMEOUT,
+    CallKey,
+    LockListing,
+    LockRecord,
+    NodeError,
+    NotALock,
+    Refusal,
+    ReleaseResult,
+    UnknownTask,
+)
+from .workers import with_worker_checks
+
+SCRIPT_REFUSALS = ("it is a ", "its value is not a lock token")
+"""How every refusal of `scripts.FORCE_RELEASE` starts: its other string replies are garbage."""
+
+# -- the app's singleton tasks and the keys they lock ----------------------------------------
+
+
+def singleton_tasks(app: Any) -> dict[str, SingletonTask]:
+    """The app's singleton tasks by name (its task modules imported first, unless a worker
+    did already; a module that fails to import contributes none)."""
+    if not getattr(app.loader, "worker_initialized", False):
+        with contextlib.suppress(Exception):  # tasks of a module that fails to import: not found
+            app.loader.import_default_modules()
+    return {name: task for name, task in list(app.tasks.items()) if isinstance(task, SingletonTask)}
+
+
+def find_task(app: Any, name: str) -> SingletonTask:
+    """The app's singleton task ``name`` (its task modules imported first); `UnknownTask`, naming
+    close matches and the app's singleton tasks, when there is none."""
+    tasks = singleton_tasks(app)
+    task = tasks.get(name)
+    if task is not None:
+        return task
+    known = ", ".join(sorted(tasks)) or "none"
+    if name in app.tasks:
+        raise UnknownTask(
+            f"task {name!r} is not a SingletonTask: it takes no lock (singleton tasks of this "
+            f"app: {known})"
+        )
+    close = difflib.get_close_matches(name, sorted(tasks), n=3)
+    hint = f"did you mean {', '.join(close)}? " if close else ""
+    raise UnknownTask(f"unknown task {name!r}; {hint}singleton tasks of this app: {known}")
+
+
+def key_basis(task: SingletonTask) -> str:
+    """What ``task``'s lock key is made of, in words."""
+    recipe = task.lock_plan.recipe
+    if recipe.lock_key is not None:
+        if isinstance(recipe.lock_key, str):
+            return f"lock_key template {recipe.lock_key!r}"
+        return "lock_key callable"
+    if recipe.lock_args is None:
+        return "task name and all arguments"
+    if not recipe.lock_args:
+        return "task name alone (lock_args=())"
+    return f"task name and lock_args {', '.join(recipe.lock_args)}"
+
+
+def call_key(
+    app: Any,
+    task_name: str,
+    args: Sequence[Any] = (),
+    kwargs: Mapping[str, Any] | None = None,
+) -> CallKey:
+    """The lock a call of ``task_name`` with ``args`` and ``kwargs`` would take — the key the
+    worker computes (`SingletonTask.lock_key_for`). Raises `UnknownTask`, or `LockKeyError` when
+    the arguments do not fit the task's signature. Touches no node."""
+    task = find_task(app, task_name)
+    kwargs = dict(kwargs or {})
+    resource = task.lock_plan.resource(tuple(args), kwargs)
+    key = task.lock_key_for(*args, **kwargs)
+    return CallKey(task.name, tuple(args), kwargs, key_basis(task), resource, key)
+
+
+def lock_key(app: Any, task_name: str, /, *args: Any, **kwargs: Any) -> str:
+    """The Redis key (under the key prefix) a call ``task_name(*args, **kwargs)`` would lock;
+    the same as ``task.lock_key_for(*args, **kwargs)``."""
+    return call_key(app, task_name, args, kwargs).key
+
+
+def resolve_key(app: Any, key_or_resource: str) -> tuple[str, str]:
+    """``(key, resource)`` for a lock key (a lock's, or a lock's reservation) or a resource.
+    Raises `NotALock` for any other key under the prefix: a fencing counter, completion
+    records, schedule records."""
+    prefix = AppRuntime.for_app(app).settings.key_prefix
+    resource = keyspace.resource_of(prefix, key_or_resource)
+    if resource is not None:
+        return key_or_resource, resource
+    if key_or_resource.startswith(prefix):
+        raise NotALock(f"{key_or_resource} is not a lock: {what_key(prefix, key_or_resource)}")
+    return keyspace.lock_key(prefix, key_or_resource), key_or_resource
+
+
+def what_key(prefix: str, key: str) -> str:
+    """What a key under ``prefix`` that is not a lock key is, in words."""
+    example = keyspace.lock_key(prefix, "<resource>")
+    if not key.startswith(prefix + "{"):
+        return f"lock keys look like {example}"
+    if key.endswith(keyspace.FENCE_SUFFIX):
+        return "it is a fencing counter (it must outlive every lock it fenced)"
+    if key.endswith(keyspace.SCHEDULE_SUFFIX):
+        return "it holds the beat leader's schedule records"
+    if keyspace.RECORDS_INFIX in key:
+        return "it holds completion records"
+    return f"lock keys look like {example}"
+
+
+# -- the locks held now ------------------------------------------------------------------------
+
+
+def lock_listing(
+    app: Any,
+    keys: Sequence[str] | None = None,
+    *,
+    check_workers: bool = False,
+    timeout: float = DEFAULT_TIMEOUT,
+) -> LockListing:
+    """The locks on the nodes (``keys``, or every lock key under the prefix), split into held
+    and minority leftovers, with the nodes that did not answer (or answered garbage). Never
+    raises for a node: check ``has_quorum``. ``check_workers`` fills ``worker_answers`` and
+    ``task_active`` (one control round trip to the holders' workers, about ``timeout``).
+
+    Only locks are listed: fencing counters, completion records, the beat leader's schedule
+    records, keys of other types and values celery_redlock never writes are left out. The beat
+    leader's lease is a lock whose owner has the role "beat leader".
+    """
+    with LockReader(app, timeout) as reader:
+        read = reader.read(keys)
+    records = [entry.record for entry in read.found]
+    if check_workers:
+        records = with_worker_checks(app, records, timeout)
+    return LockListing(
+        locks=tuple(record for record in records if record.held),
+        minority=tuple(record for record in records if not record.held),
+        nodes_total=len(reader.nodes),
+        quorum=reader.quorum,
+        unreachable=read.unreachable,
+    )
+
+
+def held_locks(
+    app: Any, *, check_workers: bool = False, timeout: float = DEFAULT_TIMEOUT
+) -> list[LockRecord]:
+    """The locks held now (the same value on a majority of nodes), sorted by key: task, task id,
+    worker, host, pid, attempt, since, time left, nodes holding — never the token.
+
+    Raises `QuorumUnavailable` when fewer than a majority of nodes answer (the answer would be
+    a guess). ``check_workers=True`` also asks each holder's worker whether it answers a ping
+    and runs the task (one control round trip, about ``timeout`` seconds).
+    """
+    listing = lock_listing(app, check_workers=check_workers, timeout=timeout)
+    require_quorum(listing, "*")
+    return list(listing.locks)
+
+
+def require_quorum(listing: LockListing, resource: str) -> None:
+    """Raise `QuorumUnavailable` unless a majority of nodes answered ``listing``."""
+    if not listing.has_quorum:
+        raise QuorumUnavailable(resource, listing.reachable, listing.quorum)
+
+
+def holder(app: Any, task_name: str, /, *args: Any, **kwargs: Any) -> LockRecord | None:
+    """The record of whoever holds the lock a call ``task_name(*args, **kwargs)`` would take,
+    or None when it is free. Raises `QuorumUnavailable` when no majority of nodes answers."""
+    key = lock_key(app, task_name, *args, **kwargs)
+    listing = lock_listing(app, [key])
+    require_quorum(listing, key)
+    return listing.locks[0] if listing.locks else None
+
+
+# -- forced release ------------------------------------------------------------------------------
+
+
+def force_release(app: Any, key: str, *, timeout: float = DEFAULT_TIMEOUT) -> ReleaseResult:
+    """Delete the lock ``key`` (a full key or a resource) on every node, whoever holds it.
+
+    For stuck locks: the holder, if still running, is not stopped, and another run can start at
+    once (waiters are woken). Only a lock is deleted: ``key`` must be a lock key (else
+    `NotALock`, nothing sent), and on each node the key must hold a lock value, checked
+    atomically there; a node where it holds anything else (another type, a value celery_redlock
+    never writes) is in ``refused`` and keeps it. Nothing is deleted when no reachable node has
+    a lock under the key. A copy on a node that does not answer (or answers garbage) stays until
+    its ttl; ``still_present_on`` names nodes that answered but still have it.
+    """
+    full_key, resource = resolve_key(app, key)
+    with LockReader(app, timeout) as reader:
+        before = reader.read([full_key])
+        refusals = dict(before.not_locks.get(full_key, {}))
+        errors = list(before.unreachable)
+        deleted: list[str] = []
+        still: set[int] = set()
+        if before.found:
+            # Only nodes that answered the read: the others' copies expire by their ttl.
+            failed = {error.node for error in before.unreachable}
+            answering = [node for node in reader.nodes if node.name not in failed]
+            answers = ask_every_node(
+                answering, lambda client: release_forcibly(client, full_key), timeout
+            )
+            errors += unreachable_nodes(answers)
+            deleted = [answer.node for answer in answers if answer.value is True]
+            refusals.update(
+                (answer.node, answer.value) for answer in answers if isinstance(answer.value, str)
+            )
+            had = {copy.node: copy.value for copy in before.found[0].copies}
+            after = reader.read([full_key])
+            # A copy with another value is a new holder's (waiters are woken at once): not ours.
+            copies = after.found[0].copies if after.found else ()
+            still = {copy.node for copy in copies if had.get(copy.node) == copy.value}
+    names = [node.name for node in reader.nodes]
+    return ReleaseResult(
+        key=full_key,
+        resource=resource,
+        lock=before.found[0].record if before.found else None,
+        deleted_on=tuple(name for name in names if name in deleted),
+        still_present_on=tuple(names[index] for index in sorted(still)),
+        nodes_total=len(names),
+        quorum=reader.quorum,
+        unreachable=first_error_per_node(errors),
+        refused=tuple(Refusal(name, refusals[name]) for name in names if name in refusals),
+    )
+
+
+def release_forcibly(client: NodeClient, key: str) -> bool | str:
+    """Run the forced release of ``key`` on one node: True if deleted, False if the node has no
+    such key, else why the key is not a lock there (left alone)."""
+    reply = client.call("EVAL", scripts.FORCE_RELEASE.source, 1, key)
+    if isinstance(reply, (bytes, str)):
+        if not text(reply).startswith(SCRIPT_REFUSALS):
+            raise BadReply("the forced release", reply, "1, 0 or why the key is not a lock")
+        return text(reply)
+    if isinstance(reply, bool) or not (isinstance(reply, int) and reply in (0, 1)):
+        raise BadReply("the forced release", reply, "1, 0 or why the key is not a lock")
+    return bool(reply == 1)
+
+
+def first_error_per_node(errors: Sequence[NodeError]) -> tuple[NodeError, ...]:
+    """``errors`` with one entry per node (its first)."""
+    seen: dict[str, NodeError] = {}
+    for error in errors:
+        seen.setdefault(error.node, error)
+    return tuple(seen.values())

@@ -1,0 +1,227 @@
+"""Read the locks on every node: what `lock_listing`, `force_release` and `reap` start from.
+
+A `LockReader` holds the app's settings and a `Redlock` over its nodes (with the operator's
+timeout) and reads lock keys — those named, or every lock key under the key prefix (SCAN, never
+KEYS) — across the nodes at once. Only lock keys count (`celery_redlock.keyspace.is_lock_key`),
+and only lock values (`is_lock_value`): fencing counters, completion records, schedule records,
+keys of other types and application values under the prefix are never taken for locks.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+from redis.exceptions import ResponseError
+
+from .. import keyspace
+from ..nodes import Node
+from ..owner import Owner, owner_text_of
+from ..redlock import Redlock, majority_holder
+from ..runtime import AppRuntime
+from ..settings import RedlockSettings
+from .fan_out import (
+    BadReply,
+    NodeAnswer,
+    NodeClient,
+    ask_every_node,
+    expect_integer,
+    expect_text,
+)
+from .records import LockRecord, NodeError
+
+SCAN_BATCH = 500
+SCAN_CALLS_LIMIT = 100_000  # a node whose cursor never comes back to 0 is not Redis
+
+LOCK_VALUE = re.compile(r"[0-9a-f]{40}(\|.*)?", re.DOTALL)
+NOT_A_LOCK_VALUE = (
+    "its value is not a lock token (40 lowercase hex digits, then optionally | and owner)"
+)
+
+
+def is_lock_value(value: str) -> bool:
+    """True for a value celery_redlock stores in a lock: a token (40 lowercase hex digits),
+    alone or followed by ``|`` and the owner text."""
+    return LOCK_VALUE.fullmatch(value) is not None
+
+
+@dataclass(frozen=True)
+class StoredCopy:
+    """One node's copy of a lock: the stored value (token included: never shown) and its
+    pttl in milliseconds (-1: no expiry). ``node`` is the node's index."""
+
+    node: int
+    value: str
+    milliseconds_left: int
+
+
+@dataclass(frozen=True)
+class FoundLock:
+    """A lock key across the nodes: its public record, the stored value that holds it (the
+    majority's, else the commonest), and every node's copy."""
+
+    record: LockRecord
+    value: str
+    copies: tuple[StoredCopy, ...]
+
+
+@dataclass(frozen=True)
+class NodeRead:
+    """What one node holds under the keys read: lock copies, and the keys that are there but
+    hold no lock (with why)."""
+
+    locks: dict[str, tuple[str, int]]
+    not_locks: dict[str, str]
+
+
+@dataclass(frozen=True)
+class LockRead:
+    """Locks found (sorted by key), nodes that did not answer, and per key the nodes where it
+    is not a lock (node name -> why)."""
+
+    found: list[FoundLock]
+    unreachable: tuple[NodeError, ...]
+    not_locks: dict[str, dict[str, str]]
+
+
+class LockReader:
+    """The app, its settings and a `Redlock` over its nodes with the caller's ``timeout``
+    (seconds per node and command). Use it as a context manager: it closes its connections."""
+
+    def __init__(self, app: Any, timeout: float) -> None:
+        self.app = app
+        self.timeout = timeout
+        self.settings: RedlockSettings = AppRuntime.for_app(app).settings
+        self.redlock = Redlock.from_settings(self.settings, node_timeout=timeout)
+        self.nodes: list[Node] = self.redlock.nodes
+        self.quorum = self.redlock.quorum
+        self.prefix = self.settings.key_prefix
+
+    def __enter__(self) -> LockReader:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def read(self, keys: Sequence[str] | None) -> LockRead:
+        """``keys`` (None: every lock key under the prefix) as found across the nodes."""
+
+        def question(client: NodeClient) -> NodeRead:
+            wanted = self.scan(client) if keys is None else list(keys)
+            return read_keys(client, wanted)
+
+        answers = ask_every_node(self.nodes, question, self.timeout)
+        by_key: dict[str, list[StoredCopy]] = {}
+        not_locks: dict[str, dict[str, str]] = {}
+        for index, answer in enumerate(answers):
+            if answer.value is None:
+                continue
+            for key, (value, milliseconds) in answer.value.locks.items():
+                by_key.setdefault(key, []).append(StoredCopy(index, value, milliseconds))
+            for key, reason in answer.value.not_locks.items():
+                not_locks.setdefault(key, {})[answer.node] = reason
+        found = [self.found_lock(key, copies) for key, copies in sorted(by_key.items())]
+        return LockRead(found, unreachable_nodes(answers), not_locks)
+
+    def scan(self, client: NodeClient) -> list[str]:
+        """Every lock key under the prefix on one node (SCAN, in batches)."""
+        pattern = keyspace.scan_pattern(self.prefix)
+        cursor = "0"
+        found: list[str] = []
+        for _ in range(SCAN_CALLS_LIMIT):
+            reply = client.call("SCAN", cursor, "MATCH", pattern, "COUNT", SCAN_BATCH)
+            if not (isinstance(reply, list) and len(reply) == 2 and isinstance(reply[1], list)):
+                raise BadReply("SCAN", reply, "a cursor and a list of keys")
+            cursor = expect_text(reply[0], "SCAN")
+            if not cursor.isdigit():
+                raise BadReply("SCAN", reply[0], "a cursor")
+            keys = [expect_text(key, "SCAN") for key in reply[1]]
+            found += [key for key in keys if keyspace.is_lock_key(self.prefix, key)]
+            if cursor == "0":
+                return sorted(set(found))
+        raise BadReply("SCAN", cursor, f"the end of the keys after {SCAN_CALLS_LIMIT} calls")
+
+    def found_lock(self, key: str, copies: Sequence[StoredCopy]) -> FoundLock:
+        """One lock's record from its copies (at least one)."""
+        pairs = [(copy.value, copy.milliseconds_left) for copy in copies]
+        held = majority_holder(pairs, self.quorum)
+        if held is not None:
+            # Acquisitions differ by token: the holder's value is the one on a majority.
+            candidates = Counter(value for value, _ in pairs if owner_text_of(value) == held.holder)
+            value = candidates.most_common(1)[0][0]
+            time_left = None if held.expires_in == float("inf") else round(held.expires_in, 3)
+        else:
+            value = Counter(value for value, _ in pairs).most_common(1)[0][0]
+            lefts = [milliseconds for stored, milliseconds in pairs if stored == value]
+            time_left = None if min(lefts) < 0 else round(max(lefts) / 1000, 3)
+        holding = sum(stored == value for stored, _ in pairs)
+        record = LockRecord(
+            key=key,
+            resource=keyspace.resource_of(self.prefix, key) or key,
+            owner=Owner.parse(owner_text_of(value)),
+            held=held is not None,
+            time_left=time_left,
+            nodes_holding=holding,
+            nodes_total=len(self.nodes),
+            nodes_with_other_values=len(pairs) - holding,
+        )
+        return FoundLock(record, value, tuple(copies))
+
+    def close(self) -> None:
+        """Close the lock manager's connections."""
+        self.redlock.close()
+
+
+def unreachable_nodes(answers: Sequence[NodeAnswer[Any]]) -> tuple[NodeError, ...]:
+    """The nodes among ``answers`` that gave none, and why."""
+    return tuple(
+        NodeError(answer.node, answer.error or "no answer")
+        for answer in answers
+        if answer.value is None
+    )
+
+
+def read_keys(client: NodeClient, keys: Sequence[str]) -> NodeRead:
+    """GET and PTTL of ``keys`` on one node, one pipeline per batch. Keys that are absent are
+    left out; keys that hold no lock value (another type, another value) are named with why."""
+    locks: dict[str, tuple[str, int]] = {}
+    not_locks: dict[str, str] = {}
+    for start in range(0, len(keys), SCAN_BATCH):
+        batch = keys[start : start + SCAN_BATCH]
+        replies = client.pipeline([command for key in batch for command in reading(key)])
+        for index, key in enumerate(batch):
+            value, milliseconds = replies[2 * index], replies[2 * index + 1]
+            if isinstance(milliseconds, ResponseError):
+                raise milliseconds
+            if isinstance(value, ResponseError):
+                if not str(value).startswith("WRONGTYPE"):
+                    raise value
+                kind = expect_text(client.call("TYPE", key), "TYPE")
+                not_locks[key] = f"it is a {kind}, not a string"
+                continue
+            if value is None:
+                continue
+            stored = expect_text(value, "GET")
+            if expect_integer(milliseconds, "PTTL") < -2:
+                raise BadReply("PTTL", milliseconds, "an integer of -2 or more")
+            if milliseconds == -2:  # expired between the two commands
+                continue
+            if is_lock_value(stored):
+                locks[key] = (stored, milliseconds)
+            else:
+                not_locks[key] = NOT_A_LOCK_VALUE
+    return NodeRead(locks, not_locks)
+
+
+def reading(key: str) -> tuple[tuple[str, str], tuple[str, str]]:
+    """The commands that read one key: its value, then its time to live."""
+    return ("GET", key), ("PTTL", key)

@@ -1,0 +1,231 @@
+"""Node health: is each lock node there, how fast, which Redis, and is it set up safely.
+
+Asks every node at once (`ask_every_node`): PING (the round trip, on an open connection), INFO
+(version, role, persistence, eviction) and, with AOF on, ``CONFIG GET appendfsync``. Only PING
+is needed to count a node as reachable; a command a managed service renames or an ACL denies is
+reported in ``could_not_read`` (with the ``ACL SETUSER`` grant for a denial) and the check it
+serves is skipped. A node that answers what no Redis server answers is unreachable, with why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from redis.exceptions import ResponseError
+
+from ..errors import RedlockError
+from ..redlock import even_node_warning
+from ..settings import RedlockSettings
+from .fan_out import (
+    BadReply,
+    NodeClient,
+    access_fix,
+    ask_every_node,
+    describe_error,
+    expect_text,
+    text,
+)
+from .locks import singleton_tasks
+from .reading import LockReader, unreachable_nodes
+from .records import DEFAULT_TIMEOUT, NodeStatus, StatusReport
+
+INFO_READS = "role, persistence and eviction"
+
+
+def status_report(app: Any, timeout: float = DEFAULT_TIMEOUT) -> StatusReport:
+    """Every lock node's status and the warnings about the group, asked at once.
+
+    Promises: one `NodeStatus` per configured node, in ``redlock_urls`` order (a node that does
+    not answer, or answers garbage, is a record with ``reachable=False`` and the error, never an
+    exception); passwords are redacted in every name; the call takes about one ``timeout``
+    however many nodes hang.
+    """
+    with LockReader(app, timeout) as reader:
+        answers = ask_every_node(reader.nodes, probe_node, reader.timeout)
+        largest_ttl = largest_lock_ttl(app, reader.settings)
+    errors = {node.node: node.error for node in unreachable_nodes(answers)}
+    statuses = []
+    for answer in answers:
+        if answer.value is None:
+            statuses.append(NodeStatus(answer.node, reachable=False, error=errors[answer.node]))
+            continue
+        node_warnings = (*answer.value.warnings, *node_safety_warnings(answer.value, largest_ttl))
+        statuses.append(dataclasses.replace(answer.value, node=answer.node, warnings=node_warnings))
+    group_warnings = group_safety_warnings(statuses, reader.quorum)
+    return StatusReport(tuple(statuses), reader.quorum, largest_ttl, tuple(group_warnings))
+
+
+def node_status(app: Any, timeout: float = DEFAULT_TIMEOUT) -> list[NodeStatus]:
+    """One `NodeStatus` per lock node — reachable, round trip, version, role, persistence,
+    eviction policy, warnings, what could not be read — in ``redlock_urls`` order.
+    `status_report` adds the warnings about the group (node count, duplicates, nodes down)."""
+    return list(status_report(app, timeout).nodes)
+
+
+def probe_node(client: NodeClient) -> NodeStatus:
+    """One node's status: PING twice (the first connects and authenticates, the second is the
+    round trip), then INFO and CONFIG where they are allowed."""
+    could_not_read: list[str] = []
+    denied = ping(client)
+    if denied is not None:
+        could_not_read.append(f"whether it answers PING: {denied}")
+    started = time.perf_counter()
+    ping(client)
+    fields: dict[str, Any] = {
+        "round_trip_milliseconds": round((time.perf_counter() - started) * 1000, 3)
+    }
+    try:
+        fields.update(read_info(client))
+    except ResponseError as error:
+        could_not_read.append(f"{INFO_READS} (INFO): {describe_error(error, client.user)}")
+    if fields.get("aof_enabled"):
+        try:
+            fields["appendfsync"] = read_appendfsync(client)
+        except ResponseError as error:
+            reason = describe_error(error, client.user)
+            could_not_read.append(f"appendfsync (CONFIG GET): {reason}")
+    return NodeStatus("", reachable=True, could_not_read=tuple(could_not_read), **fields)
+
+
+def ping(client: NodeClient) -> str | None:
+    """PING the node: None when it answers PONG, what to grant when an ACL denies PING (the
+    node answered all the same); anything else raises (`BadReply`, an error reply)."""
+    try:
+        reply = client.call("PING")
+    except ResponseError as error:
+        fix = access_fix(error, client.user)
+        if fix is None:
+            raise
+        return fix
+    if not isinstance(reply, (bytes, str)) or text(reply) != "PONG":
+        raise BadReply("PING", reply, "PONG")
+    return None
+
+
+def read_info(client: NodeClient) -> dict[str, Any]:
+    """Version, server id, role, master, persistence and eviction from INFO."""
+    server = info_section(client, "server")
+    version = server.get("redis_version")
+    if version is None:
+        raise BadReply("INFO server", server, "fields holding redis_version")
+    replication = info_section(client, "replication")
+    persistence = info_section(client, "persistence")
+    memory = info_section(client, "memory")
+    fields: dict[str, Any] = {
+        "redis_version": version,
+        "run_id": server.get("run_id"),
+        "role": replication.get("role"),
+        "aof_enabled": number(persistence, "aof_enabled", "persistence") == 1,
+        "maxmemory": number(memory, "maxmemory", "memory"),
+        "maxmemory_policy": memory.get("maxmemory_policy", "unknown"),
+    }
+    if "master_host" in replication:
+        fields["master"] = f"{replication['master_host']}:{replication.get('master_port')}"
+    return fields
+
+
+def info_section(client: NodeClient, section: str) -> dict[str, str]:
+    """The ``name:value`` lines of one INFO section."""
+    body = expect_text(client.call("INFO", section), f"INFO {section}")
+    fields = {}
+    for line in body.splitlines():
+        name, colon, value = line.partition(":")
+        if colon and not name.startswith("#"):
+            fields[name.strip()] = value.strip()
+    return fields
+
+
+def number(fields: dict[str, str], name: str, section: str) -> int:
+    """A whole-number INFO field (0 when absent)."""
+    value = fields.get(name, "0")
+    if not value.isdigit():
+        raise BadReply(f"INFO {section}", f"{name}:{value}", f"a number for {name}")
+    return int(value)
+
+
+def read_appendfsync(client: NodeClient) -> str | None:
+    """``CONFIG GET appendfsync`` (a managed service may deny or rename it: `ResponseError`)."""
+    reply = client.call("CONFIG", "GET", "appendfsync")
+    if not isinstance(reply, list) or len(reply) % 2:
+        raise BadReply("CONFIG GET", reply, "name and value pairs")
+    pairs = [expect_text(item, "CONFIG GET") for item in reply]
+    return dict(zip(pairs[::2], pairs[1::2], strict=True)).get("appendfsync")
+
+
+def node_safety_warnings(status: NodeStatus, largest_ttl: float) -> list[str]:
+    """The settings of one reachable node that weaken the lock's safety."""
+    warnings: list[str] = []
+    if status.role is not None and status.role != "master":
+        of_master = f" of {status.master}" if status.master else ""
+        warnings.append(
+            f"role is {status.role}{of_master}: Redlock needs independent masters; a replica "
+            "rejects lock writes (read-only), and a failover to it can hand a lock out twice"
+        )
+    delayed_restart = (
+        f"restart a crashed node only after the largest lock ttl ({largest_ttl:g}s) has passed "
+        "(delayed restart), or run it with appendonly yes and appendfsync always"
+    )
+    if status.aof_enabled is False:
+        warnings.append(f"no AOF (appendonly no): {delayed_restart}")
+    elif status.aof_enabled and status.appendfsync is None:
+        warnings.append(
+            f"AOF on, appendfsync unknown (CONFIG GET not allowed): unless it is 'always', "
+            f"{delayed_restart}"
+        )
+    elif status.aof_enabled and status.appendfsync != "always":
+        warnings.append(
+            f"AOF with appendfsync {status.appendfsync} (not 'always'): a crash can lose "
+            f"recent locks; {delayed_restart}"
+        )
+    if status.maxmemory and status.maxmemory_policy not in (None, "noeviction"):
+        warnings.append(
+            f"maxmemory-policy {status.maxmemory_policy} with maxmemory set: under memory "
+            "pressure Redis may evict lock keys (they have a ttl) and hand a lock out twice; "
+            "use noeviction on lock nodes"
+        )
+    return warnings
+
+
+def group_safety_warnings(statuses: Sequence[NodeStatus], quorum: int) -> list[str]:
+    """Warnings about the set of nodes as a whole."""
+    total = len(statuses)
+    warnings: list[str] = []
+    if total == 1:
+        warnings.append(
+            "a single lock node: no fault tolerance; while it is down no lock can be taken, "
+            "and a restart without persistence forgets every lock"
+        )
+    even = even_node_warning(total)
+    if even and total > 1:
+        warnings.append(even)
+    by_server: dict[str, list[str]] = {}
+    for status in statuses:
+        if status.run_id:
+            by_server.setdefault(status.run_id, []).append(status.node)
+    for names in by_server.values():
+        if len(names) > 1:
+            warnings.append(
+                f"{' and '.join(names)} are the same Redis server (same run_id): the nodes "
+                "must be independent, or one crash removes several votes"
+            )
+    reachable = sum(status.reachable for status in statuses)
+    if quorum <= reachable < total:
+        warnings.append(
+            f"{total - reachable} of {total} lock nodes unreachable: locks still work, "
+            f"but {reachable - quorum + 1} more failure(s) stop them"
+        )
+    return warnings
+
+
+def largest_lock_ttl(app: Any, settings: RedlockSettings) -> float:
+    """The longest a lock key can live: the ttl setting or any singleton task's ttl or hold."""
+    largest = settings.ttl
+    for task in singleton_tasks(app).values():
+        with contextlib.suppress(RedlockError):
+            plan = task.lock_plan
+            largest = max(largest, plan.ttl, plan.hold)
+    return float(largest)
