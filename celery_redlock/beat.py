@@ -13,7 +13,11 @@ in a write that lands only where the lease key still holds its own token and tha
 majority; only then does it publish. A new leader reads those records from a majority before
 sending anything and continues every entry from there: a tick is never sent by two leaders, and
 interval schedules keep their phase across a hand-over (crontab schedules too). The records live in
-one string key beside the lease, ``<redlock_key_prefix><lease name>:schedule``, without expiry.
+one string key beside the lease (`celery_redlock.keyspace.schedule_key`), without expiry.
+
+For django-celery-beat, ``celery_redlock.beat:LeaderDatabaseScheduler`` is its ``DatabaseScheduler``
+with the lease (`celery_redlock.django_beat`); it is loaded on first use, so this module imports
+without Django.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from typing import Any
 
 from celery.beat import PersistentScheduler, Scheduler
 
+from . import keyspace
 from .errors import QuorumUnavailable, RedlockError
 from .owner import Owner
 from .redlock import Lock, Redlock
@@ -38,7 +43,9 @@ from .settings import RedlockSettings
 
 logger = logging.getLogger(__name__)
 
-SCHEDULE_SUFFIX = ":schedule"
+SCHEDULE_SUFFIX = keyspace.SCHEDULE_SUFFIX  # kept for callers of 0.2
+
+_DJANGO_EXTRA_HINT = "pip install 'celery-redlock[django]'"
 
 
 @dataclass(frozen=True)
@@ -120,7 +127,9 @@ class LeaderMixin(Scheduler):  # type: ignore[misc]
 
     Put it first among the bases of any `celery.beat.Scheduler` subclass::
 
-        class LeaderDatabaseScheduler(LeaderMixin, DatabaseScheduler): ...
+        class LeaderCustomScheduler(LeaderMixin, CustomScheduler): ...
+
+    (`LeaderScheduler` and django-celery-beat's `LeaderDatabaseScheduler` are made so.)
 
     Promises: at most one beat of those sharing the lease name sends at any time (as far as
     Redlock's timing assumptions hold); each tick is sent by one beat only, and a new leader
@@ -162,7 +171,7 @@ class LeaderMixin(Scheduler):  # type: ignore[misc]
     @property
     def schedule_records_key(self) -> str:
         """The Redis key holding the leaders' records of the entries they sent."""
-        return self.lease_key + SCHEDULE_SUFFIX
+        return keyspace.schedule_key(self.lease_key)
 
     @property
     def safety_margin(self) -> float:
@@ -178,8 +187,8 @@ class LeaderMixin(Scheduler):  # type: ignore[misc]
         """Continue ``entry`` from the last tick a leader recorded for it.
 
         Sets ``last_run_at`` and ``total_run_count`` on the entry in place. Override it for a
-        scheduler whose entries keep them elsewhere too, e.g. django-celery-beat's ``ModelEntry``
-        saves ``entry.model.last_run_at`` and ``entry.model.total_run_count``.
+        scheduler whose entries keep them elsewhere too, as `LeaderDatabaseScheduler` does for
+        django-celery-beat's rows (``entry.model``).
         """
         entry.last_run_at = last_run_at
         entry.total_run_count = total_run_count
@@ -442,6 +451,28 @@ class LeaderScheduler(LeaderMixin, PersistentScheduler):  # type: ignore[misc]
     Use it with ``celery beat -S celery_redlock.beat:LeaderScheduler`` or
     ``app.conf.beat_scheduler = "celery_redlock.beat:LeaderScheduler"``.
     """
+
+
+def __getattr__(name: str) -> Any:
+    """``LeaderDatabaseScheduler`` (`celery_redlock.django_beat`), imported on first use.
+
+    Raises:
+        ImportError: django-celery-beat is not installed (the message names the extra).
+    """
+    if name != "LeaderDatabaseScheduler":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    try:
+        from .django_beat import LeaderDatabaseScheduler
+    except ModuleNotFoundError as error:
+        missing = (error.name or "").partition(".")[0]
+        if missing not in {"django", "django_celery_beat"}:
+            raise
+        raise ImportError(
+            f"celery_redlock.beat:LeaderDatabaseScheduler needs Django and django-celery-beat, "
+            f"and {missing} is not installed: {_DJANGO_EXTRA_HINT}",
+            name=missing,
+        ) from error
+    return LeaderDatabaseScheduler
 
 
 def _owner_text() -> str:
