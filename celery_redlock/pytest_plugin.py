@@ -304,31 +304,27 @@ def _restore_settings(app: Celery, saved: Mapping[str, Any]) -> None:
             app.conf[key] = value
 
 
-def _install_harness_runtime(app: Celery) -> object:
+def _install_harness_runtime(app: Celery) -> AppRuntime | None:
     """Give the app celery_redlock state for the harness settings for the test: the state kept
     from an earlier test when the settings are the same, else none (created on first use).
-    Returns the app's own state (or ``_ABSENT``), which ``_restore_runtime`` puts back."""
-    from celery_redlock.runtime import RUNTIME_ATTRIBUTE
+    Returns the app's own state (or None), which ``_restore_runtime`` puts back."""
+    from celery_redlock.runtime import AppRuntime
     from celery_redlock.settings import RedlockSettings
 
-    own = app.__dict__.pop(RUNTIME_ATTRIBUTE, _ABSENT)
     kept = _harness_runtimes.pop(app, None)
-    if kept is not None:
-        if kept.settings == RedlockSettings.from_conf(app.conf):
-            app.__dict__[RUNTIME_ATTRIBUTE] = kept
-        else:
-            kept.redlock.close()
-    return own
+    if kept is not None and kept.settings != RedlockSettings.from_conf(app.conf):
+        kept.redlock.close()
+        kept = None
+    return AppRuntime.install(app, kept)
 
 
-def _restore_runtime(app: Celery, own: object) -> None:
-    from celery_redlock.runtime import RUNTIME_ATTRIBUTE
+def _restore_runtime(app: Celery, own: AppRuntime | None) -> None:
+    """Keep the state the test used for the next test, and give the app its own back."""
+    from celery_redlock.runtime import AppRuntime
 
-    harness = app.__dict__.pop(RUNTIME_ATTRIBUTE, None)
+    harness = AppRuntime.install(app, own)
     if harness is not None:
         _harness_runtimes[app] = harness
-    if own is not _ABSENT:
-        app.__dict__[RUNTIME_ATTRIBUTE] = own
 
 
 # -- workers --------------------------------------------------------------------------------

@@ -12,12 +12,13 @@ import redis
 from celery import Celery
 from celery.worker import WorkController
 
-from celery_redlock import testing
 from celery_redlock.testing import (
     REDIS_SERVER_ENVIRONMENT_VARIABLE,
     RedisNodes,
     RedisServer,
     find_redis_server,
+    free_port,
+    redis_servers,
 )
 
 
@@ -86,7 +87,7 @@ def test_restart_same_port_empty_keyspace(one_node: RedisNodes) -> None:
 def test_stop_and_kill_work_on_paused_servers(redis_nodes: Callable[..., RedisNodes]) -> None:
     nodes = redis_nodes(2)
     pids = [server.pid for server in nodes]
-    log_directories = [server.log_path.parent for server in nodes]  # type: ignore[union-attr]
+    log_directories = [server.log_path.parent for server in nodes]
     for server in nodes:
         server.pause()
     nodes[0].stop()
@@ -127,14 +128,13 @@ def test_start_retries_with_another_port_when_the_free_one_was_taken(
     one_node: RedisNodes, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     taken = one_node[0].port
-    real_free_port = testing._free_port
     offered: list[int] = []
 
     def first_a_taken_port() -> int:
-        offered.append(taken if not offered else real_free_port())
+        offered.append(taken if not offered else free_port())
         return offered[-1]
 
-    monkeypatch.setattr(testing, "_free_port", first_a_taken_port)
+    monkeypatch.setattr(redis_servers, "free_port", first_a_taken_port)
     with RedisServer() as server:
         assert offered[0] == taken
         assert server.port == offered[-1] != taken

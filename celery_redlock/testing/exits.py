@@ -1,0 +1,91 @@
+"""Waiting for processes to exit without reaping them (their pids stay reserved, so signalling
+their process groups afterwards is safe)."""
+
+from __future__ import annotations
+
+import os
+import select
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+__all__ = ["ExitingProcess", "exit_descriptor", "wait_for_exits"]
+
+_HURRY_CHECK_INTERVAL = 0.05  # how often a wait asks `hurry`
+_EXIT_POLL_INTERVAL = 0.01  # without pidfd (not Linux): how often exits are polled
+
+
+class ExitingProcess(Protocol):
+    """What `wait_for_exits` looks at: a `ManagedProcess`."""
+
+    @property
+    def process(self) -> subprocess.Popen[bytes] | None:
+        """The main process, None before it starts."""
+
+    @property
+    def returncode(self) -> int | None:
+        """The exit status, read without reaping; None while it runs."""
+
+
+def exit_descriptor(process: subprocess.Popen[bytes]) -> int | None:
+    """A descriptor that becomes readable when the unreaped ``process`` exits (a Linux pidfd;
+    the caller closes it), or None where there is none or the process was reaped."""
+    pidfd_open: Callable[[int], int] | None = getattr(os, "pidfd_open", None)
+    if pidfd_open is None or process.returncode is not None:
+        return None
+    try:
+        return pidfd_open(process.pid)
+    except OSError:  # kernel older than 5.3, or no such process
+        return None
+
+
+def wait_for_exits(
+    processes: Sequence[ExitingProcess],
+    timeout: float | None,
+    hurry: Callable[[], bool] | None = None,
+) -> bool:
+    """Wait until every started process has exited, without reaping any; return whether they
+    have. Gives up after ``timeout`` seconds (``None``: never), or as soon as ``hurry()`` is true
+    (asked every few tens of milliseconds).
+
+    On Linux the wait is on the processes' pidfds (woken by the exits themselves); elsewhere the
+    processes are polled.
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    descriptors: dict[int, int] = {}  # index in processes -> pidfd
+    try:
+        for index, process in enumerate(processes):
+            if process.process is not None:
+                descriptor = exit_descriptor(process.process)
+                if descriptor is not None:
+                    descriptors[index] = descriptor
+        while True:
+            pending = [
+                index
+                for index, process in enumerate(processes)
+                if process.process is not None and process.returncode is None
+            ]
+            if not pending:
+                return True
+            if hurry is not None and hurry():
+                return False
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                return False
+            watched = [descriptors[index] for index in pending if index in descriptors]
+            if len(watched) < len(pending):
+                step: float | None = _EXIT_POLL_INTERVAL
+            elif hurry is not None:
+                step = _HURRY_CHECK_INTERVAL
+            else:
+                step = remaining
+            if step is not None and remaining is not None:
+                step = min(step, remaining)
+            if watched:
+                select.select(watched, [], [], step)
+            else:
+                time.sleep(step or 0)
+    finally:
+        for descriptor in descriptors.values():
+            os.close(descriptor)
