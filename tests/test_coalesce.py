@@ -1,18 +1,26 @@
 """``on_duplicate="coalesce"``: at most one run and one pending run per key, on real lock nodes
-with a real embedded worker (and, for a pending run whose worker dies, real worker processes:
-tests/test_guarantees_prefork.py)."""
+with a real embedded worker; the hand-over of a freed lock to the pending run (never to a
+newcomer) with a real prefork worker whose pool process the test pauses (for a pending run
+whose worker dies: tests/test_guarantees_prefork.py)."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
+import uuid
 from typing import Any
 
 import pytest
+from celery_apps.coalesce_app import REFRESH_TTL, refresh
+from celery_apps.subprocesses import WorkerProcess, app_environment, celery_processes, control_app
 from celery_apps.support import LockSignals, RunLog, embedded_worker, key_gone, make_app
-from redlock_support import wait_until
+from conftest import MakeRedisNodes
+from redlock_support import collect_results_while_the_broker_is_up, values_on, wait_until
 
-from celery_redlock import DuplicateCoalesced, SingletonTask, singleton_task
+from celery_redlock import DuplicateCoalesced, SingletonTask, keyspace, singleton_task
+from celery_redlock.owner import Owner, owner_text_of
 from celery_redlock.testing import RedisNodes, RedisServer
 
 pytest_plugins = ["celery_apps.fixtures"]
@@ -69,7 +77,7 @@ def test_a_flood_of_duplicates_runs_once_more_after_the_current_run(
     # Woken by the release notification, not by polling the 60 s ttl.
     assert 0 <= second_run["start"] - first_run["end"] < 0.5
     assert key_gone(lock_nodes, first_run["key"])
-    assert key_gone(lock_nodes, first_run["key"] + ":pending")
+    assert key_gone(lock_nodes, keyspace.reservation_key(first_run["key"]))
 
 
 def test_a_duplicate_arriving_after_the_pending_run_started_runs_again(
@@ -116,3 +124,103 @@ def test_coalescing_keys_are_independent(
         gates[1].set()
         held.get(timeout=10)
     assert wait_until(lambda: len(run_log.runs()) == 2)
+
+
+# -- the pending run gets the lock before any newcomer (real prefork workers) ----------------------
+
+COALESCE_APP = "celery_apps.coalesce_app"
+
+
+def _majority_owner(nodes: RedisNodes, key: str) -> Owner | None:
+    """The owner a majority of ``nodes`` store at ``key``, or None when no majority agrees."""
+    owners = [
+        Owner.parse(owner_text_of(value)) if value else None for value in values_on(nodes, key)
+    ]
+    for owner in owners:
+        if owner is not None and owners.count(owner) * 2 > len(nodes):
+            return owner
+    return None
+
+
+def _owner_id(nodes: RedisNodes, key: str) -> str | None:
+    owner = _majority_owner(nodes, key)
+    return owner.id if owner is not None else None
+
+
+def test_the_pending_run_gets_the_freed_lock_before_a_newcomer(
+    redis_nodes: MakeRedisNodes,
+) -> None:
+    # The promise is "one running and one pending": when the running call ends, the pending
+    # call runs next, and a call arriving meanwhile merges into it. The pending run's pool
+    # process is paused (SIGSTOP) across the release, so that a newcomer always arrives while
+    # the lock is free and the pending run has not taken it yet: it must not take it either.
+    broker = redis_nodes(1)[0]
+    locks = redis_nodes(3)
+    key = refresh.lock_key_for("handover")
+    reservation = keyspace.reservation_key(key)
+    gate = f"gate-{uuid.uuid4().hex}"
+    log = RunLog(broker.url)
+    client_app = control_app(broker, result_backend=broker.url)
+
+    def send(*args: Any, **kwargs: Any) -> Any:
+        return client_app.send_task(f"{COALESCE_APP}.refresh", args=args, kwargs=kwargs)
+
+    try:
+        with celery_processes() as processes:
+            # Three pool processes: the running call, the pending call, and one for newcomers.
+            worker = WorkerProcess(
+                COALESCE_APP, "handover", app_environment(broker, locks), concurrency=3
+            )
+            processes.append(worker.start())
+            worker.wait_ready(client_app)
+
+            running = send("handover", gate=gate)
+            log.wait_task_started(running.id, timeout=15)
+            pending = send("handover")
+            assert wait_until(
+                lambda: _owner_id(locks, reservation) == pending.id, timeout=15, alive=[worker]
+            ), f"no pending run: {values_on(locks, reservation)}\n{worker.log_text()}"
+            owner = _majority_owner(locks, reservation)
+            assert owner is not None and owner.pid in worker.child_pids()
+            os.kill(owner.pid, signal.SIGSTOP)
+            try:
+                with broker.client() as client:
+                    client.set(gate, 1)  # the running call ends and releases its lock
+                assert running.get(timeout=15)["task_id"] == running.id
+                assert wait_until(lambda: _owner_id(locks, key) != running.id, timeout=5)
+
+                newcomer = send("handover")
+                assert wait_until(newcomer.ready, timeout=15), worker.log_text()
+                assert newcomer.state == "REVOKED", (
+                    f"the newcomer took the lock before the pending run: {newcomer.state}, "
+                    f"runs {[run['task_id'] for run in log.runs()]} (running {running.id}, "
+                    f"pending {pending.id}, newcomer {newcomer.id})"
+                )
+                with pytest.raises(DuplicateCoalesced) as coalesced:
+                    newcomer.get(timeout=1)
+                assert coalesced.value.into == pending.id
+                # The pause must not have outlasted the pending run's reservation (or the lock
+                # handed over to it), else this test proves nothing.
+                assert pending.id in (_owner_id(locks, reservation), _owner_id(locks, key)), (
+                    "the pending run's reservation lapsed while its process was paused"
+                )
+            finally:
+                os.kill(owner.pid, signal.SIGCONT)
+
+            assert pending.get(timeout=15)["task_id"] == pending.id
+            # The copy the pending run published of itself (due a ttl and a second after it
+            # became pending) is acknowledged as run, not run again.
+            assert wait_until(lambda: _settled(broker), timeout=REFRESH_TTL + 10, alive=[worker]), (
+                worker.log_text()
+            )
+        assert [run["task_id"] for run in log.runs()] == [running.id, pending.id]
+        log.assert_no_overlap()
+    finally:
+        collect_results_while_the_broker_is_up()
+        client_app.close()
+
+
+def _settled(broker: RedisServer) -> bool:
+    """Nothing queued and nothing unacknowledged on the broker."""
+    with broker.client() as client:
+        return client.llen("celery") == 0 and client.hlen("unacked") == 0
