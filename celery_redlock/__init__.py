@@ -18,6 +18,9 @@ from .keys import LockKeyError
 from .redlock import Lock, Redlock
 from .settings import RedlockSettings
 from .task import SingletonTask, singleton_task
+from .wiring import connect as _connect_signal_handlers
+
+_connect_signal_handlers()
 
 __all__ = [
     "AlreadyCompleted",

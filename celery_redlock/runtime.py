@@ -1,5 +1,4 @@
-"""What one Celery app needs at run time — its settings, its `Redlock` and its lock keeper — and
-the lock state of one task run, from the moment its token exists to its release.
+"""What one Celery app needs at run time: its settings, its `Redlock` and its lock keeper.
 
 Created on first use in each app and kept on the app object; connections inside open lazily in
 the process that uses them, so a prefork parent never shares sockets with its children.
@@ -8,42 +7,17 @@ the process that uses them, so a prefork parent never shares sockets with its ch
 from __future__ import annotations
 
 import logging
-import time
-from dataclasses import dataclass
 from typing import Any
 
-from celery import states
 from redis.exceptions import RedisError as RedisClientError
 
-from . import events, signals
-from .errors import RedlockError
-from .keeper import KeptLock, LockKeeper
-from .redlock import Lock, Record, Redlock, even_node_warning
+from .keeper import LockKeeper
+from .redlock import Redlock, even_node_warning
 from .settings import RedlockSettings, has_password, redact_url
 
 logger = logging.getLogger(__name__)
 
 RUNTIME_ATTRIBUTE = "_celery_redlock_runtime"
-RUN_ATTRIBUTE = "celery_redlock_run"
-"""The task request attribute holding the current run's `RunLock`."""
-
-# A body that ended in one of these ran: a redelivered copy of the same attempt must not run.
-# REJECTED is not among them: a rejected message may be queued again, and must then run.
-COMPLETED_STATES = frozenset({states.SUCCESS, states.FAILURE, states.RETRY, states.IGNORED})
-
-
-@dataclass(eq=False, slots=True)
-class RunLock:
-    """The lock of one task run. Until ``kept`` is set the acquisition is under way: its token is
-    known but the lock may or may not be held, and a clean-up releases it by that token."""
-
-    runtime: AppRuntime
-    lock: Lock
-    task_id: str | None
-    hold: float
-    record: Record | None
-    started: float
-    kept: KeptLock | None = None
 
 
 class AppRuntime:
@@ -113,51 +87,3 @@ class AppRuntime:
                 )
             finally:
                 client.close()
-
-    def finish(self, task: Any, run: RunLock, state: str) -> bool:
-        """End a run's lock: release it (or keep it ``hold`` more seconds, never on RETRY),
-        record that this message's attempt completed when the body ran, and report it. Returns
-        whether a majority confirmed the lock was still held. Safe to call again after an
-        interruption.
-        """
-        kept = run.kept
-        if kept is not None:
-            self.keeper.stop(kept)
-        body_ran = kept is not None and state in COMPLETED_STATES
-        reported = kept is not None and events.listening(task, signals.lock_released)
-        released = False
-        try:
-            # Sent even for a lock known to be lost: copies may still be on some nodes. Only a
-            # receiver of lock_released (or a monitor) needs the answer; otherwise the run does
-            # not wait for it (the next command this thread sends a node runs after it).
-            released = self.redlock.release(
-                run.lock,
-                hold=run.hold if state != states.RETRY else 0.0,
-                record=run.record if body_ran else None,
-                confirm=reported,
-            )
-        except RedlockError as error:
-            logger.warning(
-                "releasing lock %s failed (it expires by itself): %s", run.lock.key, error
-            )
-        if kept is None:
-            return released
-        if kept.is_lost:
-            logger.error(
-                "task %s[%s] finished after losing its lock %s (%s)",
-                task.name,
-                run.task_id,
-                run.lock.key,
-                kept.lost_reason,
-            )
-        if reported:
-            events.report(
-                task,
-                signals.lock_released,
-                run.task_id,
-                key=run.lock.key,
-                state=state,
-                held=time.monotonic() - run.started,
-                released=released and not (run.hold and state != states.RETRY),
-            )
-        return released
