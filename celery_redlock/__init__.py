@@ -15,7 +15,8 @@ from .errors import (
     RedlockError,
 )
 from .keys import LockKeyError
-from .redlock import Lock, Redlock
+from .outcomes import Lock
+from .redlock import Redlock
 from .settings import RedlockSettings
 from .task import SingletonTask, singleton_task
 from .wiring import connect as _connect_signal_handlers

@@ -17,10 +17,10 @@ from typing import Any, Protocol
 from celery.exceptions import Ignore
 
 from .errors import DuplicateCoalesced, DuplicateSkipped, QuorumUnavailable
+from .outcomes import Acquired, Held, Lock, Outcome, Record, Unavailable
 from .owner import Owner
 from .plan import TaskPlan
 from .policy import relation_of
-from .redlock import Acquired, Held, Lock, Outcome, Record, Unavailable
 from .runtime import AppRuntime
 
 logger = logging.getLogger(__name__)

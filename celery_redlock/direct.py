@@ -14,9 +14,9 @@ from celery import states
 from . import events, signals
 from .errors import LockNotAcquired, RedlockError
 from .keeper import KeptLock
+from .outcomes import Acquired, Held, Lock, Unavailable
 from .owner import Owner, describe_holder
 from .plan import TaskPlan
-from .redlock import Acquired, Held, Lock, Unavailable
 from .run import RUN_ATTRIBUTE, Run
 
 logger = logging.getLogger(__name__)

@@ -8,7 +8,7 @@ beat`` does before it loads its scheduler in any project configured from Django'
 
 The database holds the schedule and every entry's state (``last_run_at``, ``total_run_count``)
 for all the beats; the lock nodes hold the leaders' records of the ticks they cleared for sending
-(`celery_redlock.beat.LeaderMixin`). The two are kept consistent this way:
+(`celery_redlock.leadership.LeaderMixin`). The two are kept consistent this way:
 
 - the leader writes each tick's state to the database right after sending it
   (django-celery-beat's own scheduler writes every three minutes), so the database trails the
@@ -38,7 +38,7 @@ from django_celery_beat.schedulers import (  # type: ignore[import-untyped]
     ModelEntry,
 )
 
-from .beat import LeaderMixin
+from .leadership import LeaderMixin
 
 __all__ = ["LeaderDatabaseScheduler", "LeaderModelEntry"]
 
@@ -63,7 +63,7 @@ class LeaderModelEntry(ModelEntry):  # type: ignore[misc]
 class LeaderDatabaseScheduler(LeaderMixin, DatabaseScheduler):  # type: ignore[misc]
     """django-celery-beat's ``DatabaseScheduler`` sending only while it holds the lease.
 
-    Promises those of `celery_redlock.beat.LeaderMixin` (at most one beat sends; each tick is
+    Promises those of `celery_redlock.leadership.LeaderMixin` (at most one beat sends; each tick is
     sent once; a new leader continues every entry from the last tick sent), and that the
     database's ``last_run_at`` and ``total_run_count`` of each entry follow the ticks sent: the
     leader writes them after each tick, a follower never writes them, and no write moves them

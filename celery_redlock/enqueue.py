@@ -12,8 +12,8 @@ from typing import Any
 from celery.utils import uuid
 
 from .keys import as_delivered
+from .outcomes import Acquired, Held, Lock, Unavailable
 from .owner import Owner
-from .redlock import Acquired, Held, Lock, Unavailable
 from .run import DEFERRED_HEADER
 
 logger = logging.getLogger(__name__)

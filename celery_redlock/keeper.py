@@ -19,7 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .errors import LockLost, RedlockError
-from .redlock import Lock, Redlock
+from .outcomes import Lock
+from .redlock import Redlock
 
 logger = logging.getLogger(__name__)
 

@@ -25,6 +25,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
+from .outcomes import Acquired, Contended, Covered, Held, Outcome
 from .owner import Owner
 
 
@@ -125,3 +126,16 @@ def relation_of(holder: Owner | None, request: Any) -> str:
     if holder.id == request.parent_id:
         return "continuation"
     return "other"
+
+
+def outcome_name(outcome: Outcome) -> str:
+    """The name `celery_redlock.policy` knows an outcome by."""
+    if isinstance(outcome, Acquired):
+        return "acquired"
+    if isinstance(outcome, Covered):
+        return "covered"
+    if isinstance(outcome, Held):
+        return "held"
+    if isinstance(outcome, Contended):
+        return "contended"
+    return "unavailable"

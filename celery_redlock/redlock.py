@@ -6,12 +6,9 @@ for ``ttl - elapsed - drift``. A failed round is released on every node, because
 landed where the reply was lost, and is retried after a jittered delay. Extension and release
 compare the token inside Lua, so only the holder can extend or release.
 
-Every attempt ends in one typed outcome: `Acquired`, `Held` (a majority names one holder),
-`Contended` (no majority either way: a split vote or stale leftovers), `Unavailable` (fewer than
-a majority answered) or `Covered` (a `Record` kept beside the lock covers the caller's rank).
-
-Every reply is checked against what its script can return: a node's reply is untrusted input,
-and one that is not a possible answer counts as no answer at all (no vote, no holder).
+Every attempt ends in one typed outcome (`celery_redlock.outcomes`). Every reply is checked
+against what its script can return (`celery_redlock.replies`): a node's reply is untrusted
+input, and one that is not a possible answer counts as no answer at all.
 """
 
 from __future__ import annotations
@@ -23,13 +20,31 @@ import secrets
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 from . import keyspace, scripts
 from .errors import ConfigurationError, LockNotAcquired, QuorumUnavailable
 from .nodes import Judge, Node, NodeGroup, RoundResult
-from .owner import lock_value, owner_text_of
+from .outcomes import (
+    Acquired,
+    Contended,
+    Covered,
+    Held,
+    Lock,
+    Outcome,
+    Record,
+    Unavailable,
+    majority_holder,
+)
+from .owner import lock_value
+from .replies import (
+    acquire_judge,
+    is_copy,
+    is_integer,
+    judge_copy,
+    judge_one,
+    judge_zero_or_one,
+)
 from .settings import RedlockSettings, check_seconds, split_urls
 
 logger = logging.getLogger(__name__)
@@ -49,96 +64,6 @@ def jittered(seconds: float) -> float:
     return random.uniform(0.5, 1.5) * seconds
 
 
-@dataclass(slots=True)
-class Lock:
-    """A lock held on a majority of nodes.
-
-    ``validity`` is how many seconds the lock was guaranteed to stay valid when acquisition (or
-    the last extension) finished; `remaining` says how much of it is left now. ``owner`` is
-    non-secret text stored beside the token (who holds the lock), shown to other contenders.
-    The token, which allows releasing the lock, is left out of ``repr``.
-
-    ``fencing_token`` grows with every acquisition of the same resource (as long as a majority
-    of nodes keeps its data and the clients' clocks agree within the ttl): pass it to the storage
-    you write to and have it reject writes carrying a smaller token than it has seen.
-    """
-
-    resource: str
-    key: str
-    token: str = field(repr=False)
-    validity: float
-    ttl: float
-    owner: str = ""
-    valid_until: float = field(default=0.0, repr=False)
-    fencing_token: int = 0
-
-    @property
-    def value(self) -> str:
-        """What is stored on the nodes: the token, then the owner text."""
-        return lock_value(self.token, self.owner)
-
-    def remaining(self) -> float:
-        """Seconds of guaranteed validity left now (negative once it ran out)."""
-        return self.valid_until - time.monotonic()
-
-
-@dataclass(frozen=True, slots=True)
-class Record:
-    """A record kept beside a lock, checked atomically with every acquisition and written with the
-    release: field ``field`` of the hash at ``key`` (a key in the lock's hash slot, see
-    `celery_redlock.keyspace`) holds the highest ``rank`` released, and lives ``ttl`` seconds
-    after the last write. An attempt whose rank the record covers ends `Covered`."""
-
-    key: str
-    field: str
-    rank: tuple[int, int]
-    ttl: float
-
-    @property
-    def rank_text(self) -> str:
-        """The rank as the scripts store it (``"major:minor"``)."""
-        return f"{self.rank[0]}:{self.rank[1]}"
-
-
-@dataclass(frozen=True)
-class Acquired:
-    """The attempt took the lock."""
-
-    lock: Lock
-
-
-@dataclass(frozen=True)
-class Held:
-    """A majority of the nodes hold the lock for one other owner (``holder``: its owner text),
-    whose lock is gone from a majority in ``expires_in`` seconds unless it is extended."""
-
-    holder: str
-    expires_in: float
-
-
-@dataclass(frozen=True)
-class Contended:
-    """A quorum answered but no majority names a holder: racing callers or leftovers on a
-    minority. Worth another attempt after ``retry_in`` seconds (or a release notification)."""
-
-    retry_in: float
-
-
-@dataclass(frozen=True)
-class Unavailable:
-    """Fewer than a majority of the nodes answered: nothing can be decided."""
-
-    error: QuorumUnavailable
-
-
-@dataclass(frozen=True)
-class Covered:
-    """The `Record` the attempt asked about covers its rank (at least one node says so)."""
-
-
-Outcome = Acquired | Held | Contended | Unavailable | Covered
-
-
 def even_node_warning(count: int) -> str | None:
     """Why ``count`` lock nodes are a poor choice when the count is even, else None."""
     if count % 2:
@@ -148,75 +73,6 @@ def even_node_warning(count: int) -> str | None:
         f"{count - 1} would ({count // 2 + 1} of {count} must agree), while adding a node that "
         "can fail; use an odd number such as 3 or 5"
     )
-
-
-def majority_holder(copies: Sequence[tuple[str, int]], quorum: int) -> Held | None:
-    """The holder when at least ``quorum`` of the per-node ``(stored value, pttl in ms)`` copies
-    carry one same value (a pttl below 0 means no expiry), else None.
-
-    The holder's lock is gone once all but ``quorum - 1`` of its copies expired, so ``expires_in``
-    is the ``len - quorum + 1``-th soonest expiry.
-    """
-    by_value: dict[str, list[float]] = {}
-    for value, milliseconds in copies:
-        if value:
-            left = float("inf") if milliseconds < 0 else milliseconds / 1000
-            by_value.setdefault(value, []).append(left)
-    for value, lefts in by_value.items():
-        if len(lefts) >= quorum:
-            expires_in = sorted(lefts)[len(lefts) - quorum]
-            return Held(owner_text_of(value), max(expires_in, 0.0))
-    return None
-
-
-def _is_integer(reply: Any) -> bool:
-    return isinstance(reply, int) and not isinstance(reply, bool)
-
-
-def judge_zero_or_one(reply: Any) -> bool | None:
-    """For scripts answering 1 (done) or 0 (refused): extend, release, owner-matched releases."""
-    if _is_integer(reply) and reply in (0, 1):
-        return bool(reply == 1)
-    return None
-
-
-def judge_one(reply: Any) -> bool | None:
-    """For scripts that always answer 1 (raising a fencing counter)."""
-    return True if _is_integer(reply) and reply == 1 else None
-
-
-def is_copy(reply: Any) -> bool:
-    """True for ``{stored value, its pttl in ms}``: a value (empty when there is none) and a
-    pttl of -2 or more."""
-    return (
-        isinstance(reply, list)
-        and len(reply) == 2
-        and isinstance(reply[0], bytes)
-        and _is_integer(reply[1])
-        and reply[1] >= -2
-    )
-
-
-def judge_copy(reply: Any) -> bool | None:
-    """For scripts that read a lock without changing it: every well-formed copy is an answer."""
-    return True if is_copy(reply) else None
-
-
-def acquire_judge(clock_microseconds: int, asks_record: bool) -> Judge:
-    """What the acquire script can answer a caller whose clock read ``clock_microseconds``: a
-    fencing token never below that clock (granted); the value in the way and its pttl (refused);
-    COVERED, only when a record was asked about (refused: the record decides)."""
-
-    def judge(reply: Any) -> bool | None:
-        if _is_integer(reply):
-            return True if reply >= clock_microseconds else None
-        if is_copy(reply) and reply[0]:
-            return False
-        if asks_record and reply == scripts.COVERED_REPLY:
-            return False
-        return None
-
-    return judge
 
 
 class Redlock:
@@ -437,7 +293,7 @@ class Redlock:
         """
         if result.successes < self.quorum:
             return None
-        tokens: list[int] = [reply for reply in result.replies if _is_integer(reply)]
+        tokens: list[int] = [reply for reply in result.replies if is_integer(reply)]
         fencing_token = max(tokens)
         if tokens.count(fencing_token) >= self.quorum:
             return fencing_token

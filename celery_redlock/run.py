@@ -40,21 +40,11 @@ from .errors import (
 )
 from .keeper import KeptLock
 from .messages import message_field
+from .outcomes import Acquired, Contended, Held, Lock, Outcome, Record, Unavailable
 from .owner import Owner, claim_prefix, describe_holder
 from .plan import TaskPlan
-from .policy import Action, Situation, decide, relation_of
-from .redlock import (
-    Acquired,
-    Contended,
-    Covered,
-    Held,
-    Lock,
-    Outcome,
-    Record,
-    Unavailable,
-    jittered,
-    new_token,
-)
+from .policy import Action, Situation, decide, outcome_name, relation_of
+from .redlock import jittered, new_token
 
 logger = logging.getLogger(__name__)
 
@@ -481,19 +471,6 @@ class Run:
             key=self.lock.key,
             policy=self.plan.on_unavailable,
         )
-
-
-def outcome_name(outcome: Outcome) -> str:
-    """The name `celery_redlock.policy` knows an outcome by."""
-    if isinstance(outcome, Acquired):
-        return "acquired"
-    if isinstance(outcome, Covered):
-        return "covered"
-    if isinstance(outcome, Held):
-        return "held"
-    if isinstance(outcome, Contended):
-        return "contended"
-    return "unavailable"
 
 
 def error_of(outcome: Outcome) -> QuorumUnavailable | None:

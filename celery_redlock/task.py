@@ -16,9 +16,9 @@ from . import enqueue, events, signals
 from .direct import DirectRun, current_run
 from .errors import ConfigurationError, RedlockError
 from .keys import LockKey
+from .outcomes import Lock
 from .plan import PLAN_ATTRIBUTE, TaskPlan, check_class_options, make_plan
 from .process_loss import LockAwareRequest
-from .redlock import Lock
 from .run import Run
 
 

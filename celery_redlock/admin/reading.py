@@ -20,8 +20,9 @@ from redis.exceptions import ResponseError
 
 from .. import keyspace
 from ..nodes import Node
+from ..outcomes import majority_holder
 from ..owner import Owner, owner_text_of
-from ..redlock import Redlock, majority_holder
+from ..redlock import Redlock
 from ..runtime import AppRuntime
 from ..settings import RedlockSettings
 from .fan_out import (
