@@ -103,7 +103,6 @@ class LockAwareRequest(Request):  # type: ignore[misc]
                 # Past the lock's ttl the lock is gone anyway (the keeper stopped at the limit).
                 if wait_until_gone(pid, task.lock_plan.ttl):
                     free_lost_run(task, task_id, args, kwargs, pid)
-                task.lock_plan.runtime.redlock.close_thread_connections()
 
             threading.Thread(
                 target=free_once_gone, name=f"celery-redlock free {task_id}", daemon=True

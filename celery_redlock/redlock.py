@@ -24,7 +24,7 @@ from typing import Any
 
 from . import keyspace, scripts
 from .errors import ConfigurationError, LockNotAcquired, QuorumUnavailable
-from .nodes import Judge, Node, NodeGroup, RoundResult
+from .nodes import Judge, LockNode, NodeGroup, RoundResult, members_from_urls
 from .outcomes import (
     Acquired,
     Contended,
@@ -44,6 +44,7 @@ from .replies import (
     judge_copy,
     judge_one,
     judge_zero_or_one,
+    text_of,
 )
 from .settings import RedlockSettings, check_seconds, split_urls
 
@@ -128,13 +129,18 @@ class Redlock:
         self.clock_drift_factor = float(settings.clock_drift_factor)
         self.node_timeout = float(settings.node_timeout)
         self.key_prefix = settings.key_prefix
-        self._group = NodeGroup(
-            settings.urls, self.node_timeout, settings.username, settings.password
+        members = members_from_urls(
+            settings.urls,
+            self.node_timeout,
+            settings.username,
+            settings.password,
+            settings.wait_replicas,
         )
+        self._group = NodeGroup(members, self.node_timeout)
         self.quorum = self._group.quorum
 
     @property
-    def nodes(self) -> list[Node]:
+    def nodes(self) -> list[LockNode]:
         """The configured lock nodes (``.name`` is the URL with its password redacted)."""
         return list(self._group.nodes)
 
@@ -229,7 +235,7 @@ class Redlock:
             arguments: list[str | int] = [value, ttl_ms, clock, replaces, *extra]
             judge = acquire_judge(clock, record is not None)
             try:
-                result = self._group.run(scripts.ACQUIRE, keys, arguments, judge)
+                result = self._group.run(scripts.ACQUIRE, keys, arguments, judge, grants=True)
                 outcome = self._outcome(resource, key, token, owner, ttl, started, result)
             except BaseException:
                 self._release_value(key, value)  # an interrupted round may have set keys
@@ -272,7 +278,9 @@ class Redlock:
             return Acquired(lock)
         if result.answered < self.quorum:
             return Unavailable(self._unavailable(key, result))
-        refusals = [(_text(reply[0]), int(reply[1])) for reply in result.replies if is_copy(reply)]
+        refusals = [
+            (text_of(reply[0]), int(reply[1])) for reply in result.replies if is_copy(reply)
+        ]
         held = majority_holder(refusals, self.quorum)
         if held is not None:
             return held
@@ -315,7 +323,7 @@ class Redlock:
         result = self._group.run(scripts.READ, (key,), (), judge_copy)
         if result.answered < self.quorum:
             raise self._unavailable(key, result)
-        copies = [(_text(reply[0]), int(reply[1])) for reply in result.replies if is_copy(reply)]
+        copies = [(text_of(reply[0]), int(reply[1])) for reply in result.replies if is_copy(reply)]
         return majority_holder(copies, self.quorum)
 
     def wait_for(
@@ -422,6 +430,7 @@ class Redlock:
             ),
             judge_zero_or_one,
             every=True,
+            grants=True,
         )
         if result.answered - result.successes >= len(self._group.nodes) - self.quorum + 1:
             lock.valid_until = 0.0  # a majority says another owner holds it: nothing to rely on
@@ -512,11 +521,3 @@ class Redlock:
     def close(self) -> None:
         """Close this process's idle connections to the nodes."""
         self._group.close()
-
-    def close_thread_connections(self) -> None:
-        """Close the calling thread's connections (for threads that end after one use)."""
-        self._group.close_thread()
-
-
-def _text(reply: Any) -> str:
-    return reply.decode(errors="replace") if isinstance(reply, bytes) else str(reply)

@@ -64,3 +64,8 @@ def acquire_judge(clock_microseconds: int, asks_record: bool) -> Judge:
 def judge_text(reply: Any) -> bool | None:
     """For scripts that read a stored text (the beat leader's records): any bulk string."""
     return True if isinstance(reply, bytes) else None
+
+
+def text_of(reply: bytes) -> str:
+    """A bulk string reply as text (bytes that are not UTF-8 replaced, never an error)."""
+    return reply.decode(errors="replace")

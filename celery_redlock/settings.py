@@ -43,6 +43,7 @@ class RedlockSettings:
     key_prefix: str = "redlock:"  # redlock_key_prefix
     username: str | None = None  # redlock_username, for nodes whose URL names no user
     password: str | None = None  # redlock_password, for nodes whose URL has no password
+    wait_replicas: int = 0  # redlock_wait_replicas (Cluster and Sentinel nodes)
     beat_lease_ttl: float = 30.0  # redlock_beat_lease_ttl (celery_redlock.beat)
     beat_lease_name: str = "celery-beat-leader"  # redlock_beat_lease_name
     reap_interval: float | None = None  # redlock_reap_interval; None: workers do not reap
@@ -91,6 +92,16 @@ class RedlockSettings:
                 "redlock_key_prefix must be a non-empty string such as 'redlock:' (every key "
                 "celery_redlock writes starts with it, and the operators' tools tell locks from "
                 f"other keys by it), got {self.key_prefix!r}"
+            )
+        if (
+            isinstance(self.wait_replicas, bool)
+            or not isinstance(self.wait_replicas, int)
+            or self.wait_replicas < 0
+        ):
+            raise ConfigurationError(
+                "redlock_wait_replicas must be a whole number, 0 or more (how many replicas of a "
+                "Cluster or Sentinel lock node must acknowledge a grant before it counts), got "
+                f"{self.wait_replicas!r}"
             )
         for name in ("username", "password"):
             value = getattr(self, name)

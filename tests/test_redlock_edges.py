@@ -16,7 +16,7 @@ from redlock_support import pttl_on, value_on, values_on, wait_until
 
 from celery_redlock import QuorumUnavailable, Redlock
 from celery_redlock.keeper import LockKeeper
-from celery_redlock.nodes import Node
+from celery_redlock.nodes import Endpoint
 from celery_redlock.owner import Owner, claim_prefix, lock_value, owner_text_of, run_prefix
 from celery_redlock.redlock import Acquired, Contended, Held, Unavailable
 from celery_redlock.testing import RedisNodes, RedisServer
@@ -218,7 +218,7 @@ def test_a_fork_while_a_node_is_being_probed_leaves_the_child_working(
 ) -> None:
     # Another thread keeps starting probes of a backed-off node while this one forks: a lock
     # held by that thread at the fork would stay held for ever in the child.
-    node = Node(one_node.urls[0], node_timeout=0.2)
+    node = Endpoint.from_url(one_node.urls[0], node_timeout=0.2)
     stop = threading.Event()
 
     def hammer() -> None:

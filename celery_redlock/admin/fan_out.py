@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 from redis.exceptions import NoPermissionError, ResponseError
 from redis.exceptions import RedisError as RedisClientError
 
-from ..nodes import Node
+from ..nodes import LockNode
 
 Answer = TypeVar("Answer")
 
@@ -56,7 +56,7 @@ class NodeClient:
     ``redlock_username`` setting, or Redis's default user).
     """
 
-    def __init__(self, node: Node, timeout: float) -> None:
+    def __init__(self, node: LockNode, timeout: float) -> None:
         self.node = node.name
         self.user = urlsplit(node.name).username or "<user>"
         self._client = node.client(timeout=timeout)
@@ -82,12 +82,12 @@ class NodeClient:
 
 
 def ask_every_node(
-    nodes: Sequence[Node], question: Callable[[NodeClient], Answer], timeout: float
+    nodes: Sequence[LockNode], question: Callable[[NodeClient], Answer], timeout: float
 ) -> list[NodeAnswer[Answer]]:
     """Ask every node ``question`` at once, each command bounded by ``timeout`` seconds; one
     `NodeAnswer` per node, in ``nodes`` order. Never raises for what a node does."""
 
-    def ask(node: Node) -> NodeAnswer[Answer]:
+    def ask(node: LockNode) -> NodeAnswer[Answer]:
         client = NodeClient(node, timeout)
         try:
             return NodeAnswer(node.name, value=question(client))

@@ -19,7 +19,7 @@ from typing import Any
 from redis.exceptions import ResponseError
 
 from .. import keyspace
-from ..nodes import Node
+from ..nodes import LockNode
 from ..outcomes import majority_holder
 from ..owner import Owner, owner_text_of
 from ..redlock import Redlock
@@ -98,7 +98,7 @@ class LockReader:
         self.timeout = timeout
         self.settings: RedlockSettings = AppRuntime.for_app(app).settings
         self.redlock = Redlock.from_settings(self.settings, node_timeout=timeout)
-        self.nodes: list[Node] = self.redlock.nodes
+        self.nodes: list[LockNode] = self.redlock.nodes
         self.quorum = self.redlock.quorum
         self.prefix = self.settings.key_prefix
 

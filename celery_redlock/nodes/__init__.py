@@ -1,0 +1,48 @@
+"""The nodes layer: every socket of the package, and one multiplexed round over the members of a
+quorum.
+
+- `resp`: commands encoded, replies parsed incrementally;
+- `endpoint`: one server — how to connect to it, and its back-off and probes;
+- `channel`: one connection per server and process, shared by every thread (pipelined);
+- `reactor`: the waiting threads take turns reading the connections;
+- `subscriber`: one subscribed connection per server and process for release notifications;
+- `members`: what one entry of ``redlock_urls`` stands for (`StandaloneNode`; `cluster`,
+  `sentinel`), made from its URL by `members_from_urls`;
+- `group`: `NodeGroup` and its rounds.
+"""
+
+from __future__ import annotations
+
+from .channel import NO_REPLY
+from .endpoint import (
+    ACL_HINT,
+    FIRST_BACKOFF_SECONDS,
+    MAX_BACKOFF_SECONDS,
+    Endpoint,
+    OwnPoolClient,
+    describe_failure,
+)
+from .group import Judge, NodeGroup, ReleaseListener, RoundResult
+from .members import LockNode, StandaloneNode
+from .resp import ErrorReply, pack_command
+from .urls import member_from_url, members_from_urls
+
+__all__ = [
+    "ACL_HINT",
+    "FIRST_BACKOFF_SECONDS",
+    "MAX_BACKOFF_SECONDS",
+    "NO_REPLY",
+    "Endpoint",
+    "ErrorReply",
+    "Judge",
+    "LockNode",
+    "NodeGroup",
+    "OwnPoolClient",
+    "ReleaseListener",
+    "RoundResult",
+    "StandaloneNode",
+    "describe_failure",
+    "member_from_url",
+    "members_from_urls",
+    "pack_command",
+]

@@ -1,0 +1,291 @@
+"""One connection to one server, shared by every thread of a process (`Channel`).
+
+Callers queue commands with the `Slot` each reply goes to; a RESP connection answers in the order
+it was asked, so the replies that arrive are handed to the slots in order. Commands queued while
+another thread is writing go out with its next write: one write carries many callers' commands.
+Only one thread at a time reads (`celery_redlock.nodes.reactor`).
+
+A slot is answered exactly once: with its own reply, or — when the connection fails or its order
+can no longer be trusted (a write or a read cut short, bytes that are not RESP, more replies than
+commands) — with `NO_REPLY` and the reason. The connection is then closed, every slot still
+waiting on it fails with it, and the next command opens a new one.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import select
+import ssl
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from redis.exceptions import RedisError as RedisClientError
+
+from .endpoint import Endpoint, describe_failure
+from .resp import INCOMPLETE, ErrorReply, ProtocolError, ReplyParser
+
+READ_SIZE = 65536
+IDLE_CHECK_SECONDS = 0.25
+"""A connection idle this long is checked for a server that closed it before it is used."""
+
+
+class _NoReply:
+    """Marks a slot (or a node in a round) that got no usable reply."""
+
+    def __repr__(self) -> str:
+        return "NO_REPLY"
+
+
+NO_REPLY: Any = _NoReply()
+
+
+class Waiter(Protocol):
+    """Whoever waits for slots: told about each slot once it is answered (`deliver`, called with
+    the reactor's lock held)."""
+
+    def deliver(self, slot: Slot) -> None:
+        """Take note of ``slot``'s reply (or failure)."""
+
+
+class Slot:
+    """Where the reply to one queued command goes. ``tag`` is the waiter's own mark (which node,
+    which command); ``failure`` says why the reply is `NO_REPLY`."""
+
+    __slots__ = ("channel", "done", "failure", "reply", "sent_at", "tag", "waiter")
+
+    def __init__(self, waiter: Waiter | None, tag: Any = None) -> None:
+        self.waiter = waiter
+        self.tag = tag
+        self.reply: Any = NO_REPLY
+        self.failure = ""
+        self.done = False
+        self.sent_at = 0.0
+        self.channel: Channel | None = None
+
+
+class Channel:
+    """One connection to ``endpoint`` for every thread of this process (see the module
+    docstring). ``greeting`` is sent first on every new connection (script loads), and its
+    replies are skipped."""
+
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        greeting: Sequence[bytes] = (),
+        on_connect: Callable[[], None] | None = None,
+    ) -> None:
+        self.endpoint = endpoint
+        self.greeting = tuple(greeting)
+        self.on_connect = on_connect  # told of every new connection (a reader must poll it)
+        self.lock = threading.Lock()
+        self.socket: Any = None
+        self.generation = 0  # grows with every new connection and every failure
+        self._parser = ReplyParser()
+        self._pending: collections.deque[Slot] = collections.deque()
+        self._outbox: list[bytes] = []
+        self._writing = False
+        self._last_used = 0.0
+
+    def fileno(self) -> int:
+        """The connection's descriptor, -1 while it is closed."""
+        sock = self.socket
+        return sock.fileno() if sock is not None else -1
+
+    @property
+    def oldest_sent_at(self) -> float | None:
+        """When the oldest command still waiting for its reply was queued, None if none is."""
+        pending = self._pending
+        return pending[0].sent_at if pending else None
+
+    @property
+    def busy(self) -> bool:
+        """True while replies are owed on this connection."""
+        return bool(self._pending)
+
+    # -- writing -----------------------------------------------------------------------------
+
+    def send(self, payload: bytes, slots: Sequence[Slot]) -> list[Slot]:
+        """Queue ``payload``, whose replies go to ``slots`` in order, and write it (with whatever
+        else is queued) unless another thread is writing, which then takes it along. Connects
+        first when needed. Returns the slots that failed at once (the connection could not be
+        opened or the write failed): they are answered with `NO_REPLY`."""
+        with self.lock:
+            now = time.monotonic()
+            if (
+                self.socket is not None
+                and not self._pending
+                and now - self._last_used > IDLE_CHECK_SECONDS
+                and self._closed_by_server()
+            ):
+                self._close_locked()  # a restarted server: this command must not go to waste
+            if self.socket is None:
+                try:
+                    self._connect_locked()
+                except (RedisClientError, OSError) as error:
+                    return self._fail_slots(slots, error)
+                if self.on_connect is not None:
+                    self.on_connect()
+            self._last_used = now
+            for slot in slots:
+                slot.sent_at = now
+                slot.channel = self
+            self._pending.extend(slots)
+            self._outbox.append(payload)
+            if self._writing:
+                return []
+            self._writing = True
+        return self._write_queued()
+
+    def _write_queued(self) -> list[Slot]:
+        while True:
+            with self.lock:
+                if not self._outbox or self.socket is None:
+                    self._writing = False
+                    return []
+                data = b"".join(self._outbox)
+                self._outbox.clear()
+                sock, generation = self.socket, self.generation
+            try:
+                sock.sendall(data)
+            except BaseException as error:
+                # Part of the data may have gone out: the order of replies is in doubt.
+                failed = self.fail(generation, f"write failed: {describe_failure(error)}")
+                if not isinstance(error, (OSError, RedisClientError)):
+                    raise
+                return failed
+
+    def _connect_locked(self) -> None:
+        sock = self.endpoint.open_socket()
+        # Non-blocking from here on: reads follow a poll, and a write that does not fit in the
+        # socket's buffer means the server stopped reading (hung), which fails the connection.
+        sock.setblocking(False)
+        self.socket = sock
+        self.generation += 1
+        self._parser = ReplyParser()
+        if self.greeting:
+            now = time.monotonic()
+            for _ in self.greeting:
+                slot = Slot(None, "greeting")
+                slot.sent_at, slot.channel = now, self
+                self._pending.append(slot)
+            self._outbox.append(b"".join(self.greeting))
+
+    def _closed_by_server(self) -> bool:
+        """True if the connection has something to read. From an idle connection that can only
+        be the end of the stream (the server restarted or dropped idle clients)."""
+        try:
+            readable, _, _ = select.select([self.socket], [], [], 0)
+        except (OSError, ValueError):
+            return True
+        return bool(readable)
+
+    # -- reading (one thread at a time: the reactor's reader) --------------------------------
+
+    def read(self, descriptor: int) -> list[Slot]:
+        """Read what has arrived (called once ``descriptor`` is readable) and return the slots
+        it answered, or that failed with the connection."""
+        with self.lock:
+            sock, generation = self.socket, self.generation
+        if sock is None or sock.fileno() != descriptor:
+            return []  # closed, or reopened on another descriptor, since the poll
+        try:
+            data = sock.recv(READ_SIZE)
+            if isinstance(sock, ssl.SSLSocket):
+                while sock.pending():  # decrypted bytes poll() cannot see
+                    data += sock.recv(READ_SIZE)
+        except (BlockingIOError, ssl.SSLWantReadError):
+            return []  # woken early, or only part of a TLS record arrived
+        except BaseException as error:
+            failed = self.fail(generation, f"read failed: {describe_failure(error)}")
+            if not isinstance(error, (OSError, RedisClientError)):
+                raise
+            return failed
+        if not data:
+            return self.fail(generation, "the server closed the connection")
+        answered: list[Slot] = []
+        with self.lock:
+            self._last_used = time.monotonic()
+            if generation != self.generation:
+                return []  # the connection failed meanwhile; its slots were answered then
+            try:
+                self._parser.feed(data)
+                while True:
+                    reply = self._parser.next_reply()
+                    if reply is INCOMPLETE:
+                        break
+                    if not self._pending:
+                        raise ProtocolError("a reply to no command")
+                    slot = self._pending.popleft()
+                    slot.reply = reply
+                    slot.done = True
+                    answered.append(slot)
+            except BaseException as error:
+                answered += self._fail_locked(f"unreadable reply: {error}")
+                if not isinstance(error, ProtocolError):
+                    raise
+        if any(not isinstance(slot.reply, ErrorReply) for slot in answered):
+            self.endpoint.mark_answered()
+        return answered
+
+    # -- failing -----------------------------------------------------------------------------
+
+    def fail(self, generation: int, reason: object) -> list[Slot]:
+        """Close the connection of ``generation`` (if it is still the current one), back the
+        server off, and answer every slot waiting on it with `NO_REPLY`; returns those slots."""
+        with self.lock:
+            if generation != self.generation:
+                return []
+            return self._fail_locked(reason)
+
+    def fail_if_late(self, now: float, timeout: float) -> list[Slot]:
+        """Fail the connection if its oldest owed reply is more than ``timeout`` seconds late
+        (the server is hung or far away); returns the slots that failed with it."""
+        with self.lock:
+            oldest = self._pending[0].sent_at if self._pending else None
+            if oldest is None or now - oldest <= timeout or self._closed_by_server():
+                # Readable: the replies are there, unread (nobody waited for them); the next
+                # reader takes them in.
+                return []
+            return self._fail_locked(f"no reply within {timeout}s")
+
+    def close(self) -> list[Slot]:
+        """Close the connection (the next command opens a new one); returns the slots that were
+        still waiting, answered with `NO_REPLY`."""
+        with self.lock:
+            slots = list(self._pending)
+            self._close_locked()
+        for slot in slots:
+            slot.failure = "the connection was closed"
+            slot.done = True
+        return slots
+
+    def _fail_locked(self, reason: object) -> list[Slot]:
+        slots = list(self._pending)
+        self._close_locked()
+        self.endpoint.mark_down(time.monotonic(), reason)
+        why = self.endpoint.last_error
+        for slot in slots:
+            slot.failure = why
+            slot.done = True
+        return slots
+
+    def _close_locked(self) -> None:
+        if self.socket is not None:
+            with contextlib.suppress(OSError):
+                self.socket.close()
+        self.socket = None
+        self.generation += 1
+        self._pending.clear()
+        self._outbox.clear()
+        self._writing = False
+        self._parser = ReplyParser()
+
+    def _fail_slots(self, slots: Sequence[Slot], error: BaseException) -> list[Slot]:
+        self.endpoint.mark_down(time.monotonic(), error)
+        for slot in slots:
+            slot.failure = self.endpoint.last_error
+            slot.done = True
+        return list(slots)

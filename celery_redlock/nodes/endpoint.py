@@ -1,0 +1,261 @@
+"""One Redis server as the nodes layer reaches it: how to open an authenticated connection to it
+(TCP, TLS or a unix socket, through redis-py's connection classes), and whether it is backed off
+after a failure.
+
+A failure backs the server off for 0.25 s, doubling up to 0.5 s while it keeps failing; once that
+passes, a background thread probes it (connect, PING) and rounds take it back when it answers.
+The back-off is forgotten only when a round gets a good reply, so a server that answers PING but
+fails every command (out of memory, read-only) stays backed off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import socket
+import threading
+import time
+from typing import Any
+
+import redis
+from redis.backoff import NoBackoff
+from redis.connection import AbstractConnection, Connection, ConnectionPool
+from redis.exceptions import RedisError as RedisClientError
+from redis.exceptions import ResponseError
+from redis.retry import Retry
+
+from ..errors import ConfigurationError
+from ..settings import has_credentials, redact_url
+
+logger = logging.getLogger(__name__)
+
+FIRST_BACKOFF_SECONDS = 0.25
+MAX_BACKOFF_SECONDS = 0.5  # a server that comes back is in use again within about a second
+
+ACL_HINT = "apply the least-privilege ACL line of README's 'TLS, passwords, ACL users'"
+
+# How servers say that the ACL user may not do something: NOPERM replies, and the errors of
+# commands run inside scripts (which the scripts' call() suffixes with "[command <name>]").
+_DENIED = ("NOPERM", "can't run this command", "No permissions to access")
+
+
+def describe_failure(reason: object) -> str:
+    """A one-line account of why a server gave no usable reply. A denied command names the
+    command and the ACL rule that grants it, instead of looking like a network failure."""
+    text = str(reason)
+    if not any(marker in text for marker in _DENIED):
+        return text
+    named = re.search(r"run the '([^']+)' command", text) or re.search(
+        r"\[command ([^\]]+)\]", text
+    )
+    if "access a key" in text or "access a channel" in text:
+        return (
+            f"NOPERM: the node's user may not use celery_redlock's keys or channels ({text}); "
+            f"its ACL needs ~<key prefix>* and &<key prefix>*; {ACL_HINT}"
+        )
+    if named is not None:
+        command = named.group(1).lower()
+        return (
+            f"NOPERM: the node's user may not run {command!r}; grant it with "
+            f"ACL SETUSER <user> +{command}, or {ACL_HINT}"
+        )
+    return f"NOPERM: the node's user lacks a permission ({text}); {ACL_HINT}"
+
+
+def _no_client_setinfo() -> dict[str, Any]:
+    """Connection arguments that turn off CLIENT SETINFO (spelled differently across redis-py)."""
+    try:
+        Connection(driver_info=None)  # redis-py 7 and later
+    except TypeError:
+        return {"lib_name": None, "lib_version": None}
+    return {"driver_info": None}
+
+
+_NO_CLIENT_SETINFO = _no_client_setinfo()
+
+
+class OwnPoolClient(redis.Redis):
+    """A redis-py client that owns its connection pool: ``close()`` (and leaving a ``with``
+    block) also closes the pool's connections, which redis-py 5.0's ``close()`` leaves open."""
+
+    def close(self) -> None:
+        """Return the client's connection and close every connection of its pool."""
+        super().close()
+        self.connection_pool.disconnect()
+
+
+def connection_options(
+    url: str, node_timeout: float, username: str | None = None, password: str | None = None
+) -> tuple[type[AbstractConnection], dict[str, Any]]:
+    """redis-py's connection class and keyword arguments for a ``redis://``, ``rediss://`` or
+    ``unix://`` URL, with ``node_timeout`` for connecting and every read, no retries, RESP2 and
+    no CLIENT SETINFO. ``username`` and ``password`` apply when the URL names no credentials."""
+    credentials = {} if has_credentials(url) else {"username": username, "password": password}
+    try:
+        pool = ConnectionPool.from_url(
+            url,
+            socket_timeout=node_timeout,
+            socket_connect_timeout=node_timeout,
+            retry=Retry(NoBackoff(), 0),
+            health_check_interval=0,
+            protocol=2,
+            **credentials,
+        )
+    except (ValueError, TypeError) as error:
+        raise ConfigurationError(
+            f"cannot use lock node URL {redact_url(url)!r}: {error}; "
+            "the form is redis://[user:password@]host:port/db"
+        ) from error
+    options: dict[str, Any] = dict(pool.connection_kwargs)
+    # No CLIENT SETINFO in the handshake: connecting to a hung server then costs nothing until
+    # the round's own command, which every server is waited for in parallel.
+    options.update(_NO_CLIENT_SETINFO)
+    return pool.connection_class, options
+
+
+class Endpoint:
+    """One Redis server: its address and connection options, and its health in this process.
+
+    ``name`` is the server as it may be shown (passwords redacted)."""
+
+    def __init__(
+        self, name: str, connection_class: type[AbstractConnection], options: dict[str, Any]
+    ) -> None:
+        self.name = name
+        self.connection_class = connection_class
+        self.options = options
+        self.last_error = ""  # why the server was last backed off, for error messages
+        self._suspect = False  # True from a failure until a probe sees the server answer
+        self._down_until = 0.0
+        self._backoff = 0.0
+        # No lock guards the probe: a lock held by another thread at a fork would stay held in
+        # the child for ever. Two threads starting a probe at once merely probe twice.
+        self._probing_pid = 0
+        self._probe_finished = threading.Event()
+
+    @classmethod
+    def from_url(
+        cls,
+        url: str,
+        node_timeout: float,
+        username: str | None = None,
+        password: str | None = None,
+    ) -> Endpoint:
+        """The server a ``redis://``, ``rediss://`` or ``unix://`` URL names."""
+        connection_class, options = connection_options(url, node_timeout, username, password)
+        return cls(redact_url(url), connection_class, options)
+
+    def at(self, host: str, port: int) -> Endpoint:
+        """Another server with the same connection options (credentials, TLS, timeouts)."""
+        options = {**self.options, "host": host, "port": port}
+        scheme = self.name.partition("://")[0] or "redis"
+        return Endpoint(f"{scheme}://{host}:{port}", self.connection_class, options)
+
+    @property
+    def address(self) -> tuple[str, int] | None:
+        """(host, port) of a TCP server, None for a unix socket."""
+        host, port = self.options.get("host"), self.options.get("port")
+        return (str(host), int(port)) if host is not None and port is not None else None
+
+    def open_socket(self) -> socket.socket:
+        """A new connected, authenticated socket (TLS already negotiated), in blocking mode with
+        the node timeout. Raises redis-py's errors or `OSError`."""
+        connection = self.connection_class(**self.options)
+        connection.connect()
+        # The one place the package takes redis-py's socket: the connection did the handshake
+        # (AUTH, SELECT, TLS); the nodes layer reads and writes the socket itself from here on.
+        taken: Any = connection
+        sock: socket.socket = taken._sock
+        taken._sock = None
+        return sock
+
+    def client(self, timeout: float | None = None) -> redis.Redis:
+        """A plain redis-py client for this server (administration, tests), by default with the
+        node's own timeouts."""
+        options = dict(self.options)
+        if timeout is not None:
+            options.update(socket_timeout=timeout, socket_connect_timeout=timeout)
+        return OwnPoolClient(
+            connection_pool=ConnectionPool(connection_class=self.connection_class, **options)
+        )
+
+    # -- health ------------------------------------------------------------------------------
+
+    def is_backed_off(self, now: float) -> bool:
+        """True while the server is skipped after a failure (starting a probe once it is due)."""
+        if not self._suspect:
+            return False
+        if now >= self._down_until:
+            self._start_probe()
+        return True
+
+    def _start_probe(self) -> None:
+        pid = os.getpid()
+        if self._probing_pid == pid:
+            return  # a probe is already on its way in this process
+        self._probing_pid = pid
+        self._probe_finished = threading.Event()
+        threading.Thread(
+            target=self._probe,
+            args=(self._probe_finished,),
+            name=f"celery-redlock probe {self.name}",
+            daemon=True,
+        ).start()
+
+    def _probe(self, finished: threading.Event) -> None:
+        connection = self.connection_class(**self.options)
+        try:
+            connection.connect()
+            # PING is in the least-privilege ACL README documents; a user denied it still shows
+            # that the server answers (its NOPERM is an answer), so it does not count against it.
+            connection.send_command("PING", check_health=False)
+            if connection.read_response() not in (b"PONG", "PONG"):
+                raise ResponseError("the server does not answer PING with PONG")
+        except ResponseError as error:
+            if str(error).startswith("NOPERM"):
+                self._suspect = False
+            else:
+                self.mark_down(time.monotonic(), error)
+        except (RedisClientError, OSError) as error:
+            self.mark_down(time.monotonic(), error)
+        else:
+            self._suspect = False
+        finally:
+            with contextlib.suppress(RedisClientError, OSError):
+                connection.disconnect()
+            self._probing_pid = 0
+            finished.set()
+
+    @property
+    def probing(self) -> bool:
+        """True while this process's probe of the server is under way."""
+        return self._probing_pid == os.getpid()
+
+    def wait_for_probe(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for the probe under way, if any, to finish."""
+        if self.probing and timeout > 0:
+            self._probe_finished.wait(timeout)
+
+    def mark_down(self, now: float, reason: object) -> None:
+        """Skip this server for a while (doubling each time it fails again, up to a cap)."""
+        was_up = self._backoff == 0.0
+        self.last_error = describe_failure(reason)
+        self._backoff = min(MAX_BACKOFF_SECONDS, max(FIRST_BACKOFF_SECONDS, self._backoff * 2))
+        self._down_until = now + self._backoff
+        self._suspect = True
+        if was_up:
+            logger.warning(
+                "lock node %s is unavailable (%s); skipping it for %.2fs, then probing again",
+                self.name,
+                self.last_error,
+                self._backoff,
+            )
+
+    def mark_answered(self) -> None:
+        """Record a good reply: the server takes part in every round again."""
+        if self._backoff:
+            logger.info("lock node %s answers again", self.name)
+            self._backoff = 0.0
+            self._suspect = False

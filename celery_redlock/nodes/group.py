@@ -1,0 +1,526 @@
+"""The members of one `Redlock`'s quorum, and one round over all of them (`NodeGroup.run`).
+
+A *round* sends one script call to every member at once and collects the replies as they
+arrive, so its latency is that of the quorum-th fastest member, not the sum of all round trips.
+Every member is bounded by ``node_timeout``. A member that fails, does not answer in time, or
+answers with an error (out of memory, read-only, missing ACL permission, still loading...) or
+with a reply its script cannot give, is backed off: skipped without any network traffic and
+probed again from a background thread.
+
+Connections are per process, not per thread: every thread and greenlet of a process shares one
+connection per server (`celery_redlock.nodes.channel`), and the waiting threads take turns
+reading them (`celery_redlock.nodes.reactor`). After a fork the child opens its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..scripts import LOADED_ON_CONNECT, Script
+from .channel import NO_REPLY, Channel, Slot
+from .endpoint import Endpoint
+from .members import LockNode
+from .reactor import Reactor, Waiting
+from .resp import ErrorReply, pack_command
+from .subscriber import Subscriber
+
+logger = logging.getLogger(__name__)
+
+Judge = Callable[[Any], "bool | None"]
+"""Tells what one member's reply to a script means: True — it did what was asked; False — it
+answered, and refused; None — the reply is not one the script can return (untrusted input: it
+counts as no answer, like an error reply)."""
+
+# Sent before the first command of every new connection (their replies are skipped): a round
+# that decides before a slow server answers would never read its NOSCRIPT.
+SCRIPT_LOADS = tuple(pack_command("SCRIPT", "LOAD", script.source) for script in LOADED_ON_CONNECT)
+
+# Error replies that are no answer but an address: send the command there (or after a script
+# load) and wait for that reply instead.
+_FOLLOWED = ("MOVED", "ASK", "NOSCRIPT")
+
+
+@dataclass
+class RoundResult:
+    """What one round learned: each member's reply (``NO_REPLY`` where there was none usable),
+    how many members answered (error replies and replies the script cannot give are not
+    answers), how many succeeded, and for each member without a usable reply why (else None)."""
+
+    replies: list[Any]
+    successes: int
+    answered: int
+    finished_at: float
+    failures: list[str | None]
+
+    def unavailable_reasons(self, names: Sequence[str]) -> tuple[str, ...]:
+        """``"<member>: <why>"`` for every member that gave no usable reply."""
+        return tuple(
+            f"{name}: {why}" for name, why in zip(names, self.failures, strict=True) if why
+        )
+
+
+class Connections:
+    """This process's connections to the servers of one group: one `Channel` per server, one
+    `Subscriber` per server for release notifications, and the `Reactor` that reads them."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.reactor = Reactor()
+        self.guard = threading.Lock()
+        self.channels: dict[int, Channel] = {}
+        self.subscribers: dict[int, Subscriber] = {}
+
+    def channel(self, endpoint: Endpoint) -> Channel:
+        """The connection to ``endpoint`` (made, not yet opened, on first use)."""
+        channel = self.channels.get(id(endpoint))
+        if channel is None:
+            with self.guard:
+                channel = self.channels.get(id(endpoint))
+                if channel is None:
+                    channel = Channel(endpoint, SCRIPT_LOADS, self.reactor.connection_opened)
+                    self.reactor.add_channel(channel)
+                    self.channels[id(endpoint)] = channel
+        return channel
+
+    def subscriber(self, endpoint: Endpoint) -> Subscriber:
+        """The release-notification connection to ``endpoint`` (made on first use)."""
+        subscriber = self.subscribers.get(id(endpoint))
+        if subscriber is None:
+            with self.guard:
+                subscriber = self.subscribers.get(id(endpoint))
+                if subscriber is None:
+                    subscriber = Subscriber(endpoint, self.reactor.connection_opened)
+                    self.reactor.add_channel(subscriber)
+                    self.subscribers[id(endpoint)] = subscriber
+        return subscriber
+
+    def close(self) -> None:
+        """Close every connection; the slots still waiting get no reply."""
+        failed: list[Slot] = []
+        for channel in list(self.channels.values()):
+            failed += channel.close()
+        for subscriber in list(self.subscribers.values()):
+            subscriber.close()
+        self.reactor.deliver(failed)
+
+    def dispose(self) -> None:
+        """Close every socket without taking any lock: for a group that is gone, or the parent's
+        connections in a forked child (where another thread may have held a lock at the fork)."""
+        sockets = [channel.socket for channel in self.channels.values()]
+        sockets += [subscriber.socket for subscriber in self.subscribers.values()]
+        for sock in sockets:
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.close()
+        self.reactor.close()
+
+
+class NodeCall:
+    """One member's part of a round: the slots of the commands sent to it (the script call,
+    perhaps after ``ASKING`` and before ``WAIT``), and which of them carries the answer."""
+
+    __slots__ = ("endpoint", "index", "main", "replicas", "slots")
+
+    def __init__(self, index: int, endpoint: Endpoint) -> None:
+        self.index = index
+        self.endpoint = endpoint
+        self.slots: list[Slot] = []
+        self.main: Slot | None = None
+        self.replicas: Slot | None = None  # the WAIT reply, when the member waits for replicas
+
+
+class Round(Waiting):
+    """One script call on every member at once, and its replies as they arrive."""
+
+    def __init__(
+        self,
+        group: NodeGroup,
+        connections: Connections,
+        script: Script,
+        keys: Sequence[str],
+        arguments: Sequence[str | int],
+        judge: Judge,
+        every: bool,
+        grants: bool,
+    ) -> None:
+        super().__init__()
+        self.group = group
+        self.connections = connections
+        self.script = script
+        self.key = keys[0]
+        self.call = (len(keys), *keys, *arguments)
+        self.judge = judge
+        self.every = every
+        self.grants = grants  # a grant that must reach the replicas of members that wait for them
+        count = len(group.nodes)
+        self.replies: list[Any] = [NO_REPLY] * count
+        self.why_not: list[str | None] = ["not asked"] * count
+        self.calls: list[NodeCall | None] = [None] * count
+        self.follow_ups: list[tuple[NodeCall, Slot]] = []
+        self.outstanding = 0
+        self.successes = 0
+        self.answered = 0
+        self.failures = 0
+        self.finished = False
+        self.deadline = 0.0
+
+    # -- sending -----------------------------------------------------------------------------
+
+    def start(self, wait: bool) -> None:
+        """Send to every member that is not backed off. When those are too few for a quorum,
+        give the members being probed (in parallel) one node_timeout and take in those that
+        answered."""
+        group = self.group
+        if wait and not self.script.inline:
+            packed = pack_command("EVALSHA", self.script.sha, *self.call)
+        else:
+            # Nobody reads a NOSCRIPT reply of these (clean-ups, or a release whose quorum is
+            # reached before a restarted server answers): send the source, which cannot miss.
+            packed = pack_command("EVAL", self.script.source, *self.call)
+        now = time.monotonic()
+        probing: list[tuple[int, Endpoint]] = []
+        with self.connections.reactor.lock:
+            self.outstanding = len(group.nodes)
+        for index, node in enumerate(group.nodes):
+            endpoint = node.endpoint_for(self.key)
+            if endpoint is None or endpoint.is_backed_off(now):
+                why = endpoint.last_error if endpoint is not None else "not located yet"
+                self._settle(index, f"skipped while backed off ({why})")
+                if endpoint is not None and endpoint.probing:
+                    probing.append((index, endpoint))
+                continue
+            self._send(index, node, endpoint, packed, asking=False)
+        if wait and probing and self._sent() < group.quorum:
+            until = time.monotonic() + group.node_timeout
+            for _, endpoint in probing:
+                endpoint.wait_for_probe(until - time.monotonic())
+            now = time.monotonic()
+            for index, endpoint in probing:
+                if not endpoint.is_backed_off(now):
+                    with self.connections.reactor.lock:
+                        self.outstanding += 1
+                        self.failures -= 1
+                    self._send(index, group.nodes[index], endpoint, packed, asking=False)
+        self.deadline = time.monotonic() + group.node_timeout
+
+    def _sent(self) -> int:
+        return sum(call is not None for call in self.calls)
+
+    def _send(
+        self, index: int, node: LockNode, endpoint: Endpoint, packed: bytes, asking: bool
+    ) -> None:
+        channel = self.connections.channel(endpoint)
+        late = channel.fail_if_late(time.monotonic(), self.group.node_timeout)
+        if late:
+            # An earlier command is still unanswered past node_timeout: the server is hung.
+            # Nothing more is queued behind it; it is backed off like any failure.
+            self.connections.reactor.deliver(late)
+            with self.connections.reactor.lock:
+                self._settle(index, endpoint.last_error)
+            return
+        call = NodeCall(index, endpoint)
+        commands = [packed]
+        if asking:
+            commands.insert(0, pack_command("ASKING"))
+        if self.grants and node.wait_replicas:
+            timeout_ms = max(1, int(self.group.node_timeout * 1000))
+            commands.append(pack_command("WAIT", node.wait_replicas, timeout_ms))
+        call.slots = [Slot(self, call) for _ in commands]
+        call.main = call.slots[1 if asking else 0]
+        if self.grants and node.wait_replicas:
+            call.replicas = call.slots[-1]
+        self.calls[index] = call
+        self.why_not[index] = None
+        failed = channel.send(b"".join(commands), call.slots)
+        if failed:
+            self.connections.reactor.deliver(failed)
+
+    # -- replies (with the reactor's lock held) ----------------------------------------------
+
+    def deliver(self, slot: Slot) -> None:
+        call: NodeCall = slot.tag
+        if self.calls[call.index] is not call or not all(each.done for each in call.slots):
+            return  # a superseded call, or the rest of its replies is still to come
+        assert call.main is not None
+        reply = call.main.reply
+        if isinstance(reply, ErrorReply) and reply.code in _FOLLOWED and not self.finished:
+            self.follow_ups.append((call, call.main))
+            self.call_attention()
+            return
+        self._take(call)
+
+    def _take(self, call: NodeCall) -> None:
+        assert call.main is not None
+        index, reply, endpoint = call.index, call.main.reply, call.endpoint
+        node = self.group.nodes[index]
+        if call.main.failure:
+            self._settle(index, call.main.failure)
+            return
+        if isinstance(reply, ErrorReply):
+            node.notice(reply, endpoint)  # MOVED, READONLY...: the member learns anew
+            if reply.code in ("MOVED", "ASK"):
+                self._settle(index, f"redirected again: {reply}")
+            else:
+                endpoint.mark_down(time.monotonic(), f"error reply: {reply}")
+                self._settle(index, endpoint.last_error)
+            return
+        verdict = self.judge(reply)
+        if verdict is None:
+            why = f"a reply the {self.script.name} script cannot give: {reply!r:.80}"
+            endpoint.mark_down(time.monotonic(), why)
+            self._settle(index, endpoint.last_error)
+            return
+        if verdict and call.replicas is not None:
+            acknowledged = call.replicas.reply
+            if not isinstance(acknowledged, int) or acknowledged < node.wait_replicas:
+                self._settle(
+                    index,
+                    f"{acknowledged if isinstance(acknowledged, int) else 'no'} of "
+                    f"{node.wait_replicas} replicas acknowledged the write in time",
+                )
+                return
+        self.replies[index] = reply
+        self.answered += 1
+        self.outstanding -= 1
+        if verdict:
+            self.successes += 1
+        else:
+            self.failures += 1
+        self._check()
+
+    def _settle(self, index: int, why: str) -> None:
+        """Record that member ``index`` gave no usable reply."""
+        self.why_not[index] = why
+        self.failures += 1
+        self.outstanding -= 1
+        self._check()
+
+    def _check(self) -> None:
+        if not self.satisfied and self.decided():
+            self.satisfy()
+
+    def decided(self) -> bool:
+        """True once the outcome is known: a quorum succeeded, a majority refused, or no quorum
+        can succeed and every reply in flight has been read."""
+        if self.outstanding <= 0:
+            return True
+        if self.every:
+            return False
+        quorum = self.group.quorum
+        if self.successes >= quorum:
+            return True
+        if self.failures < len(self.group.nodes) - quorum + 1:
+            return False
+        return self.answered >= quorum
+
+    # -- waiting -----------------------------------------------------------------------------
+
+    def collect(self) -> None:
+        """Wait for replies until the outcome is known or node_timeout has passed (counted from
+        the last send), following redirections and script loads on the way."""
+        reactor = self.connections.reactor
+        while True:
+            reactor.wait(self, self.deadline)
+            with reactor.lock:
+                follow_ups, self.follow_ups = self.follow_ups, []
+                self.attention = False
+                if self.satisfied:
+                    return
+            if follow_ups:
+                for call, slot in follow_ups:
+                    self._follow(call, slot.reply)
+                self.deadline = max(self.deadline, time.monotonic() + self.group.node_timeout)
+                continue
+            if time.monotonic() >= self.deadline:
+                break
+        self._time_out()
+
+    def _follow(self, call: NodeCall, reply: ErrorReply) -> None:
+        index = call.index
+        node = self.group.nodes[index]
+        if reply.code == "NOSCRIPT":
+            # The server lost its script cache (restart, SCRIPT FLUSH): send the source.
+            packed = pack_command("EVAL", self.script.source, *self.call)
+            self._send(index, node, call.endpoint, packed, asking=False)
+            return
+        redirect = node.redirect(reply, call.endpoint)
+        if redirect is None or len(call.slots) > 3:
+            with self.connections.reactor.lock:
+                self._take(call)
+            return
+        packed = pack_command("EVALSHA", self.script.sha, *self.call)
+        self._send(index, node, redirect.endpoint, packed, asking=redirect.asking)
+
+    def _time_out(self) -> None:
+        """Whoever is still silent is hung or far away: their connections fail (and every slot
+        waiting on them, other rounds' too), and they are backed off."""
+        now = time.monotonic()
+        failed: list[Slot] = []
+        for call in self.calls:
+            if call is not None and call.main is not None and not call.main.done:
+                channel = call.main.channel
+                if channel is not None:
+                    failed += channel.fail_if_late(now, self.group.node_timeout)
+        reactor = self.connections.reactor
+        reactor.deliver(failed)
+        with reactor.lock:
+            for call in self.calls:
+                if call is not None and call.main is not None and not call.main.done:
+                    self.calls[call.index] = None
+                    self._settle(call.index, f"no reply within {self.group.node_timeout}s")
+            self.finished = True
+
+    def finish(self) -> RoundResult:
+        """What the round learned; replies arriving later are read and dropped."""
+        with self.connections.reactor.lock:
+            self.finished = True
+            return RoundResult(
+                list(self.replies),
+                self.successes,
+                self.answered,
+                time.monotonic(),
+                list(self.why_not),
+            )
+
+
+class NodeGroup:
+    """The members of one `Redlock`, with this process's connections to them, opened lazily.
+
+    Every thread of a process uses the same connection to a server, and a server answers the
+    commands of one connection in the order they were sent, so a thread's release never
+    overtakes its own acquisition's late SET. Connections are opened in the process that uses
+    them: after a fork, the child leaves the parent's sockets alone and opens its own.
+    """
+
+    def __init__(self, nodes: Sequence[LockNode], node_timeout: float) -> None:
+        self.nodes = list(nodes)
+        self.node_timeout = node_timeout
+        self.quorum = len(self.nodes) // 2 + 1
+        self._connections = self._new_connections()
+
+    def _new_connections(self) -> Connections:
+        connections = Connections()
+        # Closed when the group is dropped (its Redlock gone), not left to the garbage collector.
+        weakref.finalize(self, connections.dispose)
+        return connections
+
+    @property
+    def names(self) -> list[str]:
+        """The members, passwords redacted."""
+        return [node.name for node in self.nodes]
+
+    def connections(self) -> Connections:
+        """This process's connections (new ones in a forked child)."""
+        connections = self._connections
+        if connections.pid != os.getpid():
+            connections = self._connections = self._new_connections()
+        return connections
+
+    def close(self) -> None:
+        """Close this process's connections to the servers; later rounds open new ones."""
+        if self._connections.pid == os.getpid():
+            self._connections.close()
+
+    def run(
+        self,
+        script: Script,
+        keys: Sequence[str],
+        arguments: Sequence[str | int],
+        judge: Judge,
+        wait: bool = True,
+        every: bool = False,
+        grants: bool = False,
+    ) -> RoundResult:
+        """Run ``script`` on every member at once and collect replies until the outcome is known.
+
+        ``judge`` says what each reply means (`Judge`). The outcome is known when a quorum
+        succeeded, when a quorum can no longer succeed, or when ``node_timeout`` has passed;
+        with ``every=True`` only when every member answered or timed out (operators' commands
+        that report per member). With ``wait=False`` the commands are only sent: their replies
+        are read by a later round's reader and checked then (an error reply backs the server
+        off, and is logged). ``grants``: the script grants a
+        lock, which members with ``wait_replicas`` confirm only once replicas acknowledged it.
+        """
+        connections = self.connections()
+        round_ = Round(self, connections, script, keys, arguments, judge, every, grants)
+        try:
+            round_.start(wait)
+            if wait:
+                round_.collect()
+        except BaseException:
+            # Interrupted (a soft time limit, a signal) between sending and deciding: callers
+            # release what the round may have taken; the connections keep their order.
+            round_.finish()
+            raise
+        return round_.finish()
+
+    def listen_for_releases(self, channel: str) -> ReleaseListener:
+        """Subscriptions to ``channel`` (a lock key) on every member that is not backed off."""
+        return ReleaseListener(self, self.connections(), channel)
+
+
+class ReleaseListener(Waiting):
+    """Subscriptions to a lock's release channel on every reachable member, for blocking waits:
+    one shared subscriber connection per server and process, whoever listens."""
+
+    def __init__(self, group: NodeGroup, connections: Connections, channel: str) -> None:
+        super().__init__()
+        self.connections = connections
+        self.channel = channel
+        self.notified = False
+        self.subscribers: list[Subscriber] = []
+        now = time.monotonic()
+        for node in group.nodes:
+            endpoint = node.endpoint_for(channel)
+            if endpoint is None or endpoint.is_backed_off(now):
+                continue
+            subscriber = connections.subscriber(endpoint)
+            if subscriber.listen(channel, self):
+                self.subscribers.append(subscriber)
+        # Subscribed only once the servers confirm: a release before that would go unheard.
+        deadline = time.monotonic() + group.node_timeout
+        while not all(subscriber.confirmed(channel) for subscriber in self.subscribers):
+            self.satisfied = False
+            if not connections.reactor.wait(self, deadline) and time.monotonic() >= deadline:
+                break
+
+    def deliver(self, slot: Slot) -> None:
+        if slot.tag == "message":
+            self.notified = True
+        self.satisfy()
+
+    def __enter__(self) -> ReleaseListener:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Drop the subscriptions."""
+        for subscriber in self.subscribers:
+            subscriber.stop(self.channel, self)
+        self.subscribers.clear()
+
+    def wait(self, seconds: float) -> bool:
+        """Sleep up to ``seconds``; True as soon as any member announced a release."""
+        if not self.subscribers:
+            time.sleep(max(seconds, 0))
+            return False
+        reactor = self.connections.reactor
+        deadline = time.monotonic() + max(seconds, 0)
+        with reactor.lock:
+            self.notified = False
+        while time.monotonic() < deadline:
+            with reactor.lock:
+                self.satisfied = self.notified
+            if reactor.wait(self, deadline) and self.notified:
+                return True
+        return self.notified

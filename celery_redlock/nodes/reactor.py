@@ -1,0 +1,179 @@
+"""Who reads the connections of a process: the threads that wait, one at a time (`Reactor`).
+
+A thread that waits for replies (a `Waiting`) becomes the *reader* when nobody else is reading:
+it polls every connection of the process, reads what arrives and hands each reply to the slot it
+answers; the waiter of that slot is woken only once what it waits for is complete. When its own
+wait is over, the reader passes the role to one thread still waiting. A thread on its own is
+always the reader — no hand-off, no extra thread — and many threads share the reads of one
+connection. There is no thread per call and no background reader: with gevent or eventlet, the
+waiting greenlets take turns the same way.
+
+Everything that waits here has a deadline; a deadline that passes wakes its waiter whatever the
+others do. After a fork, the child has a reactor of its own (`celery_redlock.nodes.group`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from typing import Protocol
+
+from .channel import Slot
+
+
+class Waiting:
+    """Something a thread waits for (a round of replies, a release notification). Subclasses
+    call `satisfy` (with the reactor's lock held) once it is complete; `deliver` is told of
+    each answered slot of theirs."""
+
+    def __init__(self) -> None:
+        self.satisfied = False
+        self.attention = False  # its thread must act before waiting on (see `call_attention`)
+        self._wakeup = threading.Lock()
+        self._wakeup.acquire()
+
+    def deliver(self, slot: Slot) -> None:
+        """Take note of one answered slot (the reactor's lock is held)."""
+
+    def satisfy(self) -> None:
+        """Mark the wait complete and wake its thread."""
+        self.satisfied = True
+        self.wake()
+
+    def call_attention(self) -> None:
+        """Wake the waiting thread to act (send a follow-up command) before it waits on."""
+        self.attention = True
+        self.wake()
+
+    def wake(self) -> None:
+        """Wake the waiting thread (to find itself satisfied, or to take over reading)."""
+        with contextlib.suppress(RuntimeError):  # woken already
+            self._wakeup.release()
+
+    def sleep(self, timeout: float) -> None:
+        """Sleep until woken or ``timeout`` seconds pass."""
+        if self._wakeup.acquire(timeout=max(timeout, 0.0)):
+            return
+
+
+def wait_readable(descriptors: Sequence[int], timeout: float) -> list[int]:
+    """The descriptors among ``descriptors`` that are readable within ``timeout`` seconds. Uses
+    ``poll`` where it exists (no limit on descriptor numbers), else ``select`` (eventlet's
+    monkey patching removes ``select.poll``)."""
+    if hasattr(select, "poll"):
+        poller = select.poll()
+        for descriptor in descriptors:
+            poller.register(descriptor, select.POLLIN)
+        return [descriptor for descriptor, _ in poller.poll(max(timeout, 0.0) * 1000)]
+    readable, _, _ = select.select(list(descriptors), [], [], max(timeout, 0.0))
+    return list(readable)
+
+
+class Readable(Protocol):
+    """A connection the reactor reads: a `Channel`, or a subscriber connection."""
+
+    def fileno(self) -> int:
+        """Its descriptor, -1 while closed."""
+
+    def read(self, descriptor: int) -> list[Slot]:
+        """Read what arrived on ``descriptor``; the slots it answered."""
+
+
+class Reactor:
+    """The reads of one process's connections (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.channels: list[Readable] = []
+        self._reading = False
+        self._waiting: list[Waiting] = []
+        # Written to when a connection is added while a reader polls, so that it polls it too.
+        self._wake_reader_read, self._wake_reader_write = os.pipe()
+        os.set_blocking(self._wake_reader_read, False)
+        os.set_blocking(self._wake_reader_write, False)
+
+    def add_channel(self, channel: Readable) -> None:
+        """Read ``channel`` too from now on."""
+        with self.lock:
+            if channel not in self.channels:
+                self.channels.append(channel)
+
+    def connection_opened(self) -> None:
+        """A channel opened a new connection: a reader polling now must poll it as well."""
+        with contextlib.suppress(OSError):  # the pipe is full: the reader is woken anyway
+            os.write(self._wake_reader_write, b"x")
+
+    def deliver(self, slots: Iterable[Slot]) -> None:
+        """Hand answered slots to their waiters."""
+        with self.lock:
+            for slot in slots:
+                if slot.waiter is not None:
+                    slot.waiter.deliver(slot)
+
+    def wait(self, waiting: Waiting, deadline: float) -> bool:
+        """Wait until ``waiting`` is satisfied (True), calls for attention, or ``deadline``
+        (``time.monotonic()``) passes, reading for everybody while nobody else does."""
+        while True:
+            with self.lock:
+                now = time.monotonic()
+                if waiting.satisfied or waiting.attention or now >= deadline:
+                    if waiting in self._waiting:
+                        self._waiting.remove(waiting)
+                    self._hand_over_locked()  # it may have been woken to take over reading
+                    return waiting.satisfied
+                reading = not self._reading
+                if reading:
+                    self._reading = True
+                    if waiting in self._waiting:
+                        self._waiting.remove(waiting)
+                elif waiting not in self._waiting:
+                    self._waiting.append(waiting)
+            if reading:
+                try:
+                    self._read_until(waiting, deadline)
+                finally:
+                    with self.lock:
+                        self._reading = False
+                        self._hand_over_locked()
+            else:
+                waiting.sleep(deadline - now)
+
+    def _hand_over_locked(self) -> None:
+        """With nobody reading, wake one waiting thread to take over (it may find itself done
+        and pass it on in turn)."""
+        if self._reading:
+            return
+        for other in self._waiting:
+            if not other.satisfied:
+                other.wake()
+                return
+
+    def _read_until(self, waiting: Waiting, deadline: float) -> None:
+        wake_descriptor = self._wake_reader_read
+        while not (waiting.satisfied or waiting.attention):
+            now = time.monotonic()
+            if now >= deadline:
+                return
+            with self.lock:
+                by_descriptor = {channel.fileno(): channel for channel in self.channels}
+            by_descriptor.pop(-1, None)
+            ready = wait_readable([wake_descriptor, *by_descriptor], deadline - now)
+            answered: list[Slot] = []
+            for descriptor in ready:
+                if descriptor == wake_descriptor:
+                    with contextlib.suppress(OSError):
+                        os.read(wake_descriptor, 4096)
+                    continue
+                answered += by_descriptor[descriptor].read(descriptor)
+            if answered:
+                self.deliver(answered)
+
+    def close(self) -> None:
+        """Close the wake-up pipe (the channels are closed by their owners)."""
+        for descriptor in (self._wake_reader_read, self._wake_reader_write):
+            with contextlib.suppress(OSError):
+                os.close(descriptor)

@@ -1,0 +1,139 @@
+"""The Redis protocol (RESP2) on the wire: commands encoded once for every node, and replies
+parsed incrementally from whatever bytes have arrived, so that one read can carry the replies of
+many callers' pipelined commands."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def pack_command(*arguments: str | int | bytes) -> bytes:
+    """Encode one command in RESP, the same bytes for every node."""
+    parts = [b"*%d\r\n" % len(arguments)]
+    for argument in arguments:
+        if isinstance(argument, str):
+            argument = argument.encode()
+        elif isinstance(argument, int):
+            argument = b"%d" % argument
+        parts.append(b"$%d\r\n%b\r\n" % (len(argument), argument))
+    return b"".join(parts)
+
+
+class ErrorReply:
+    """An error reply (``-ERR ...``, ``-NOSCRIPT ...``, ``-MOVED 3999 host:port``...), kept as a
+    value: it is the answer to one command, not a failure of the connection. ``code`` is its
+    first word."""
+
+    __slots__ = ("code", "text")
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.code = text.partition(" ")[0]
+
+    def __repr__(self) -> str:
+        return f"ErrorReply({self.text!r})"
+
+    def __str__(self) -> str:
+        return self.text
+
+
+class ProtocolError(Exception):
+    """The bytes from a node are not RESP: the connection can no longer be trusted."""
+
+
+class NeedMore(Exception):
+    """The buffer ends inside a reply (raised by the parser, never outside this module)."""
+
+
+class ReplyParser:
+    """Turns the bytes read from one connection into replies, in order.
+
+    `feed` adds bytes; `next_reply` returns the next complete reply, or `INCOMPLETE` when the
+    bytes so far end inside one. Status replies are ``bytes`` (``b"OK"``), bulk strings
+    ``bytes``, nil ``None``, integers ``int``, arrays ``list``, errors `ErrorReply`. Raises
+    `ProtocolError` on bytes that are not RESP.
+    """
+
+    __slots__ = ("_buffer", "_position")
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+        self._position = 0
+
+    def feed(self, data: bytes) -> None:
+        """Add bytes read from the connection."""
+        if self._position:
+            del self._buffer[: self._position]
+            self._position = 0
+        self._buffer += data
+
+    def next_reply(self) -> Any:
+        """The next complete reply, or `INCOMPLETE`."""
+        if self._position >= len(self._buffer):
+            return INCOMPLETE
+        try:
+            reply, self._position = self._parse(self._position)
+        except NeedMore:
+            return INCOMPLETE
+        return reply
+
+    @property
+    def holds_partial_reply(self) -> bool:
+        """True when bytes of a reply not yet complete are buffered."""
+        return self._position < len(self._buffer)
+
+    def _line(self, start: int) -> tuple[bytes, int]:
+        end = self._buffer.find(b"\r\n", start)
+        if end < 0:
+            if len(self._buffer) - start > 1_000_000:
+                raise ProtocolError("a reply line longer than a megabyte")
+            raise NeedMore
+        return bytes(self._buffer[start:end]), end + 2
+
+    def _parse(self, start: int) -> tuple[Any, int]:
+        line, position = self._line(start)
+        if not line:
+            raise ProtocolError("an empty reply line")
+        kind, rest = line[:1], line[1:]
+        if kind == b"+":
+            return rest, position
+        if kind == b":":
+            return self._integer(rest), position
+        if kind == b"$":
+            length = self._integer(rest)
+            if length < 0:
+                return None, position
+            end = position + length
+            if len(self._buffer) < end + 2:
+                raise NeedMore
+            if self._buffer[end : end + 2] != b"\r\n":
+                raise ProtocolError("a bulk string without its end")
+            return bytes(self._buffer[position:end]), end + 2
+        if kind == b"*":
+            count = self._integer(rest)
+            if count < 0:
+                return None, position
+            items = []
+            for _ in range(count):
+                item, position = self._parse(position)
+                items.append(item)
+            return items, position
+        if kind == b"-":
+            return ErrorReply(rest.decode(errors="replace")), position
+        raise ProtocolError(f"a reply starting with {line[:20]!r}")
+
+    @staticmethod
+    def _integer(text: bytes) -> int:
+        try:
+            return int(text)
+        except ValueError:
+            raise ProtocolError(f"{text[:20]!r} is not a number") from None
+
+
+class _Incomplete:
+    def __repr__(self) -> str:
+        return "INCOMPLETE"
+
+
+INCOMPLETE: Any = _Incomplete()
+"""What `ReplyParser.next_reply` returns while the next reply has not fully arrived."""
