@@ -19,6 +19,9 @@ from .errors import ConfigurationError
 DUPLICATE_POLICIES = ("skip", "retry", "raise", "wait", "coalesce")
 UNAVAILABLE_POLICIES = ("retry", "raise", "run")
 URL_SCHEMES = ("redis", "rediss", "unix")
+CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
+SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
+SENTINEL_OPTIONS = ("sentinel_username", "sentinel_password")
 _UNSET = object()
 
 
@@ -160,9 +163,62 @@ class RedlockSettings:
         return cls(**values)
 
 
+@dataclass(frozen=True)
+class MultiHostURL:
+    """The parts of a cluster or sentinel URL: ``scheme`` of each server (``redis`` or
+    ``rediss``), the credentials as written (``user:password@`` or ''), the servers, the path
+    after them and the query options."""
+
+    scheme: str
+    credentials: str
+    hosts: tuple[tuple[str, int], ...]
+    path: str
+    options: tuple[tuple[str, str], ...]
+
+    @classmethod
+    def parse(cls, url: str) -> MultiHostURL:
+        """Split ``url``; raises `ValueError` saying what is wrong."""
+        scheme, separator, rest = url.partition("://")
+        if not separator:
+            raise ValueError("no scheme")
+        rest, _, query = rest.partition("?")
+        netloc, slash, path = rest.partition("/")
+        credentials, at, hosts_text = netloc.rpartition("@")
+        hosts = []
+        for host_text in hosts_text.split(","):
+            host, colon, port_text = host_text.strip().rpartition(":")
+            if not colon or not host or not port_text.isdigit():
+                raise ValueError(f"{host_text!r} is not host:port")
+            hosts.append((host.strip("[]"), int(port_text)))
+        return cls(
+            scheme=scheme.partition("+")[0],
+            credentials=credentials + at,
+            hosts=tuple(hosts),
+            path=slash + path,
+            options=tuple(parse_qsl(query, keep_blank_values=True)),
+        )
+
+    def server_url(self, host: str, port: int, path: str = "", sentinel: bool = False) -> str:
+        """A plain URL of one server of this member, with its credentials and options (a
+        sentinel's: the sentinel options instead of the member's credentials)."""
+        options = [(name, value) for name, value in self.options if name not in SENTINEL_OPTIONS]
+        credentials = self.credentials
+        if sentinel:
+            given = dict(self.options)
+            user = given.get("sentinel_username", "")
+            password = given.get("sentinel_password")
+            credentials = f"{user}:{password}@" if password is not None else ""
+        query = f"?{urlencode(options)}" if options else ""
+        return f"{self.scheme}://{credentials}{host}:{port}{path}{query}"
+
+
 def check_url(url: object) -> None:
-    """Raise `ConfigurationError` unless ``url`` is one usable Redis URL."""
-    example = "redis://[user:password@]host:6379/0, rediss://... (TLS) or unix:///path/redis.sock"
+    """Raise `ConfigurationError` unless ``url`` is one usable lock node URL."""
+    example = (
+        "redis://[user:password@]host:6379/0, rediss://... (TLS), unix:///path/redis.sock, "
+        "redis+cluster://host:port[,host:port...] or "
+        "redis+sentinel://host:26379[,host:26379...]/<service>[/<db>]"
+    )
     if not isinstance(url, str):
         raise ConfigurationError(f"redlock_urls holds {url!r}, which is not a URL; use {example}")
     if any(character.isspace() for character in url) or ";" in url:
@@ -171,6 +227,9 @@ def check_url(url: object) -> None:
             "string; give a list of URLs, or one string with the URLs separated by commas"
         )
     parts = urlsplit(url)
+    if parts.scheme in CLUSTER_SCHEMES + SENTINEL_SCHEMES:
+        _check_multi_host_url(url, parts.scheme)
+        return
     if parts.scheme not in URL_SCHEMES:
         raise ConfigurationError(
             f"lock node URL {redact_url(url)!r} is not a Redis URL (scheme {parts.scheme!r}); "
@@ -194,11 +253,43 @@ def check_url(url: object) -> None:
                 f"lock node URL {redact_url(url)!r} has an invalid port; use redis://host:6379/0"
             ) from None
         database = parts.path.lstrip("/") or "0"
+    _check_database(url, database)
+
+
+def _check_database(url: str, database: str) -> None:
     if not database.isdigit():
         raise ConfigurationError(
             f"lock node URL {redact_url(url)!r} names database {database!r}, which is not a "
             "number; end the URL with the database number, e.g. redis://host:6379/0"
         )
+
+
+def _check_multi_host_url(url: str, scheme: str) -> None:
+    try:
+        parts = MultiHostURL.parse(url)
+    except ValueError as error:
+        form = (
+            "redis+cluster://host:port[,host:port...]"
+            if scheme in CLUSTER_SCHEMES
+            else "redis+sentinel://host:26379[,host:26379...]/<service name>[/<db>]"
+        )
+        raise ConfigurationError(
+            f"lock node URL {redact_url(url)!r} cannot be read ({error}); use {form}"
+        ) from None
+    if scheme in CLUSTER_SCHEMES:
+        if parts.path.strip("/") not in ("", "0"):
+            raise ConfigurationError(
+                f"lock node URL {redact_url(url)!r} names a database; a Redis Cluster has only "
+                "database 0: use redis+cluster://host:port[,host:port...]"
+            )
+        return
+    service, _, database = parts.path.strip("/").partition("/")
+    if not service:
+        raise ConfigurationError(
+            f"lock node URL {redact_url(url)!r} names no service; use "
+            "redis+sentinel://host:26379[,host:26379...]/<service name>[/<db>]"
+        )
+    _check_database(url, database or "0")
 
 
 def redact_url(url: str) -> str:

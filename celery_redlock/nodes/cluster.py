@@ -1,22 +1,140 @@
-"""A Redis Cluster as one member of the quorum (to be written)."""
+"""A Redis Cluster (or Valkey cluster) as one member of the quorum (`ClusterNode`).
+
+Every key of one lock carries the lock's hash tag (`celery_redlock.keyspace`), so every key of
+one lock lives in one hash slot and one script can touch them together. A command goes to the
+master serving its key's slot, by the slot map (``CLUSTER SLOTS``); a ``MOVED`` reply updates the
+map for that slot and sends the command on, an ``ASK`` reply sends it once to the importing
+master after ``ASKING`` (a slot being migrated). After a failure or a ``MOVED``, the whole map is
+read again in the background. Locks spread over the shards, so a cluster serves as many locks
+as its masters together.
+"""
 
 from __future__ import annotations
 
-from ..errors import ConfigurationError
-from .members import LockNode
+import binascii
+import threading
+
+from ..errors import RedlockError
+from ..settings import redact_url
+from .endpoint import Endpoint
+from .locating import Locator
+from .members import LockNode, Redirect
+from .resp import ErrorReply
+
+SLOTS = 16384
+
+
+def hash_slot(key: str) -> int:
+    """The cluster slot of ``key``: CRC16 of its hash tag (the part inside its first ``{...}``,
+    when not empty), or of the whole key."""
+    data = key.encode()
+    start = data.find(b"{")
+    if start >= 0:
+        end = data.find(b"}", start + 1)
+        if end > start + 1:
+            data = data[start + 1 : end]
+    return binascii.crc_hqx(data, 0) % SLOTS
 
 
 class ClusterNode(LockNode):
-    """A Redis Cluster."""
+    """A Redis Cluster, reached through ``seeds`` (the servers its URL lists), counted as one
+    member of the quorum. ``wait_replicas``: a grant counts once that many replicas of the
+    slot's master acknowledged it."""
 
-    @classmethod
-    def from_url(
-        cls,
-        url: str,
-        node_timeout: float,
-        username: str | None,
-        password: str | None,
-        wait_replicas: int,
-    ) -> ClusterNode:
-        """The cluster ``url`` names."""
-        raise ConfigurationError("Redis Cluster lock nodes are not supported yet")
+    def __init__(self, url: str, seeds: list[Endpoint], wait_replicas: int = 0) -> None:
+        self.name = redact_url(url)
+        self.seeds = seeds
+        self.wait_replicas = wait_replicas
+        self._template = seeds[0]
+        self._by_address: dict[tuple[str, int], Endpoint] = {
+            seed.address: seed for seed in seeds if seed.address is not None
+        }
+        self._guard = threading.Lock()  # only around dictionary updates, never around I/O
+        self._slots: list[Endpoint | None] = [None] * SLOTS
+        self.locator = Locator(self.name, self._read_slot_map)
+
+    def endpoint_for(self, key: str) -> Endpoint | None:
+        if not self.locator.ensure():
+            return None
+        return self._slots[hash_slot(key)]
+
+    def endpoints(self) -> list[Endpoint]:
+        self.locator.ensure()
+        masters: dict[int, Endpoint] = {}
+        for endpoint in self._slots:
+            if endpoint is not None:
+                masters[id(endpoint)] = endpoint
+        return list(masters.values())
+
+    def redirect(self, reply: ErrorReply, endpoint: Endpoint) -> Redirect | None:
+        if reply.code not in ("MOVED", "ASK"):
+            return None
+        parts = reply.text.split()
+        if len(parts) != 3 or not parts[1].isdigit():
+            return None
+        host, _, port = parts[2].rpartition(":")
+        if not port.isdigit():
+            return None
+        target = self._endpoint_at(host or (endpoint.address or ("", 0))[0], int(port))
+        if reply.code == "ASK":
+            return Redirect(target, asking=True)
+        slot = int(parts[1])
+        if 0 <= slot < SLOTS:
+            self._slots[slot] = target
+        self.locator.relocate()  # a failover or a resharding: other slots moved too
+        return Redirect(target)
+
+    def notice(self, reply: ErrorReply, endpoint: Endpoint) -> None:
+        if reply.code in ("MOVED", "CLUSTERDOWN", "READONLY", "TRYAGAIN"):
+            self.locator.relocate()
+
+    def locating_error(self) -> str:
+        return f"cannot read its slot map ({self.locator.last_error or 'not read yet'})"
+
+    def notice_failure(self, endpoint: Endpoint) -> None:
+        self.locator.relocate()  # a master that fails may have been replaced by its replica
+
+    def _endpoint_at(self, host: str, port: int) -> Endpoint:
+        endpoint = self._by_address.get((host, port))
+        if endpoint is None:
+            with self._guard:
+                endpoint = self._by_address.setdefault((host, port), self._template.at(host, port))
+        return endpoint
+
+    def _read_slot_map(self) -> None:
+        """Read ``CLUSTER SLOTS`` from the first server that answers: the seeds, then every
+        master known."""
+        errors = []
+        candidates = list(dict.fromkeys([*self.seeds, *self._by_address.values()]))
+        for candidate in candidates:
+            try:
+                with candidate.client() as client:
+                    ranges = client.execute_command("CLUSTER SLOTS")
+            except Exception as error:
+                errors.append(f"{candidate.name}: {error}")
+                continue
+            slots = self._slots_from(ranges, candidate)
+            if slots is not None:
+                self._slots = slots
+                return
+            errors.append(f"{candidate.name}: a CLUSTER SLOTS reply with no slots")
+        raise RedlockError("; ".join(errors) or "no server to ask")
+
+    def _slots_from(self, ranges: object, asked: Endpoint) -> list[Endpoint | None] | None:
+        """The slot map a ``CLUSTER SLOTS`` reply describes, or None when it is not one."""
+        if not isinstance(ranges, list) or not ranges:
+            return None
+        slots: list[Endpoint | None] = [None] * SLOTS
+        for entry in ranges:
+            try:
+                start, end, master = int(entry[0]), int(entry[1]), entry[2]
+                host = master[0].decode() if isinstance(master[0], bytes) else str(master[0])
+                port = int(master[1])
+            except (TypeError, ValueError, IndexError, AttributeError):
+                return None
+            if not (0 <= start <= end < SLOTS):
+                return None
+            # An empty host means "the server you asked" (cluster-announce-hostname unset).
+            endpoint = self._endpoint_at(host or (asked.address or ("", 0))[0], port)
+            slots[start : end + 1] = [endpoint] * (end - start + 1)
+        return slots

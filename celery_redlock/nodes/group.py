@@ -192,7 +192,9 @@ class Round(Waiting):
         for index, node in enumerate(group.nodes):
             endpoint = node.endpoint_for(self.key)
             if endpoint is None or endpoint.is_backed_off(now):
-                why = endpoint.last_error if endpoint is not None else "not located yet"
+                if endpoint is not None:
+                    node.notice_failure(endpoint)
+                why = endpoint.last_error if endpoint is not None else node.locating_error()
                 self._settle(index, f"skipped while backed off ({why})")
                 if endpoint is not None and endpoint.probing:
                     probing.append((index, endpoint))
@@ -262,12 +264,15 @@ class Round(Waiting):
         index, reply, endpoint = call.index, call.main.reply, call.endpoint
         node = self.group.nodes[index]
         if call.main.failure:
+            node.notice_failure(endpoint)
             self._settle(index, call.main.failure)
             return
         if isinstance(reply, ErrorReply):
             node.notice(reply, endpoint)  # MOVED, READONLY...: the member learns anew
-            if reply.code in ("MOVED", "ASK"):
-                self._settle(index, f"redirected again: {reply}")
+            if reply.code in ("MOVED", "ASK", "TRYAGAIN"):
+                # The slot is being moved (TRYAGAIN: its keys are split between two masters for
+                # a moment): no answer this round, and no fault of the server's.
+                self._settle(index, f"the slot is moving: {reply}")
             else:
                 endpoint.mark_down(time.monotonic(), f"error reply: {reply}")
                 self._settle(index, endpoint.last_error)

@@ -41,6 +41,11 @@ class LockNode:
         """Every server holding this member's keys now (a cluster's masters)."""
         raise NotImplementedError
 
+    def locating_error(self) -> str:
+        """Why `endpoint_for` knows no server (the member could not find out where its keys
+        live)."""
+        return "its servers are not located yet"
+
     def redirect(self, reply: ErrorReply, endpoint: Endpoint) -> Redirect | None:
         """Where to send a command again after ``endpoint`` answered ``reply`` (MOVED, ASK,
         READONLY...), or None when the reply is the answer."""
@@ -50,6 +55,10 @@ class LockNode:
         """Take note of an error reply from ``endpoint`` that may mean the keys live elsewhere
         now (MOVED after a failover or a resharding, READONLY from a demoted master): learn
         again where, in the background."""
+
+    def notice_failure(self, endpoint: Endpoint) -> None:
+        """Take note that ``endpoint`` did not answer (a cluster learns its slot map anew: a
+        master that fails may have been replaced by its replica)."""
 
     def client(self, timeout: float | None = None) -> redis.Redis:
         """A plain redis-py client of the member's first server (administration, tests)."""

@@ -1,22 +1,91 @@
-"""A Sentinel-managed master as one member of the quorum (to be written)."""
+"""A Sentinel-managed master as one member of the quorum (`SentinelNode`).
+
+The member is whichever server the sentinels name as the master of the service
+(``SENTINEL get-master-addr-by-name``). It is asked on first use, and again in the background
+after the master fails or answers ``READONLY`` (a master demoted by a failover). Replication is
+asynchronous: a lock granted by a master that fails before its replica got the write is lost with
+it, unless ``redlock_wait_replicas`` makes a grant count only once replicas acknowledged it.
+"""
 
 from __future__ import annotations
 
-from ..errors import ConfigurationError
+import threading
+
+from ..errors import RedlockError
+from ..settings import redact_url
+from .endpoint import Endpoint
+from .locating import Locator
 from .members import LockNode
+from .resp import ErrorReply
 
 
 class SentinelNode(LockNode):
-    """A Sentinel-managed master."""
+    """The master the ``sentinels`` name for ``service``, counted as one member of the quorum.
+    ``master`` holds the master's connection options (database, credentials, TLS); its address
+    is replaced by the one the sentinels give."""
 
-    @classmethod
-    def from_url(
-        cls,
+    def __init__(
+        self,
         url: str,
-        node_timeout: float,
-        username: str | None,
-        password: str | None,
-        wait_replicas: int,
-    ) -> SentinelNode:
-        """The master ``url`` names."""
-        raise ConfigurationError("Sentinel lock nodes are not supported yet")
+        sentinels: list[Endpoint],
+        service: str,
+        master: Endpoint,
+        wait_replicas: int = 0,
+    ) -> None:
+        self.name = redact_url(url)
+        self.sentinels = sentinels
+        self.service = service
+        self.wait_replicas = wait_replicas
+        self._template = master
+        self._by_address: dict[tuple[str, int], Endpoint] = {}
+        self._guard = threading.Lock()  # only around dictionary updates, never around I/O
+        self._master: Endpoint | None = None
+        self.locator = Locator(self.name, self._ask_sentinels)
+
+    def endpoint_for(self, key: str) -> Endpoint | None:
+        self.locator.ensure()
+        return self._master
+
+    def endpoints(self) -> list[Endpoint]:
+        self.locator.ensure()
+        return [self._master] if self._master is not None else []
+
+    def locating_error(self) -> str:
+        return f"no sentinel named its master ({self.locator.last_error or 'not asked yet'})"
+
+    def notice(self, reply: ErrorReply, endpoint: Endpoint) -> None:
+        if reply.code in ("READONLY", "LOADING", "MASTERDOWN"):
+            self.locator.relocate()
+
+    def notice_failure(self, endpoint: Endpoint) -> None:
+        self.locator.relocate()
+
+    def _ask_sentinels(self) -> None:
+        """Ask the sentinels, in turn, for the master's address."""
+        errors = []
+        for sentinel in self.sentinels:
+            try:
+                with sentinel.client() as client:
+                    address = client.execute_command(
+                        "SENTINEL", "GET-MASTER-ADDR-BY-NAME", self.service
+                    )
+            except Exception as error:
+                errors.append(f"{sentinel.name}: {error}")
+                continue
+            if isinstance(address, (list, tuple)) and len(address) == 2:
+                host, port = (
+                    part.decode(errors="replace") if isinstance(part, bytes) else str(part)
+                    for part in address
+                )
+                if port.isdigit():
+                    self._master = self._endpoint_at(host, int(port))
+                    return
+            errors.append(f"{sentinel.name}: knows no master named {self.service!r}")
+        raise RedlockError("; ".join(errors) or "no sentinel to ask")
+
+    def _endpoint_at(self, host: str, port: int) -> Endpoint:
+        endpoint = self._by_address.get((host, port))
+        if endpoint is None:
+            with self._guard:
+                endpoint = self._by_address.setdefault((host, port), self._template.at(host, port))
+        return endpoint
