@@ -5,12 +5,20 @@ answered) or `Covered` (a record kept beside the lock covers the caller's rank).
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .errors import QuorumUnavailable
 from .owner import lock_value, owner_text_of
+
+TOKEN_BYTES = 20
+
+
+def new_token() -> str:
+    """A fresh lock token: 20 random bytes from `secrets`, as hex (never contains ``|``)."""
+    return secrets.token_hex(TOKEN_BYTES)
 
 
 @dataclass(slots=True)

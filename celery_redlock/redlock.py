@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
-import secrets
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -35,6 +34,7 @@ from .outcomes import (
     Record,
     Unavailable,
     majority_holder,
+    new_token,
 )
 from .owner import lock_value
 from .replies import (
@@ -46,34 +46,17 @@ from .replies import (
     judge_zero_or_one,
     text_of,
 )
-from .settings import RedlockSettings, check_seconds, split_urls
+from .settings import RedlockSettings, check_seconds, even_node_warning, split_urls
 
 logger = logging.getLogger(__name__)
 
-TOKEN_BYTES = 20
 FENCE_SUFFIX = keyspace.FENCE_SUFFIX  # kept for callers of 0.2
 DRIFT_CONSTANT_SECONDS = 0.002
-
-
-def new_token() -> str:
-    """A fresh lock token: 20 random bytes from `secrets`, as hex (never contains ``|``)."""
-    return secrets.token_hex(TOKEN_BYTES)
 
 
 def jittered(seconds: float) -> float:
     """``seconds`` times a random factor from 0.5 to 1.5, so that racing callers drift apart."""
     return random.uniform(0.5, 1.5) * seconds
-
-
-def even_node_warning(count: int) -> str | None:
-    """Why ``count`` lock nodes are a poor choice when the count is even, else None."""
-    if count % 2:
-        return None
-    return (
-        f"{count} lock nodes configured: an even number tolerates no more failed nodes than "
-        f"{count - 1} would ({count // 2 + 1} of {count} must agree), while adding a node that "
-        "can fail; use an odd number such as 3 or 5"
-    )
 
 
 class Redlock:
@@ -82,8 +65,9 @@ class Redlock:
     One instance per process is meant to be shared by all its threads; connections open lazily
     and are reopened after a fork. ``urls`` (a list, or one comma-separated string) accepts
     ``redis://``, ``rediss://`` (TLS) and ``unix://`` URLs with optional ``user:password@`` and
-    database number; ``username`` and ``password`` apply to every URL that names no credentials
-    of its own. Invalid arguments raise `ConfigurationError` saying how to fix them.
+    database number, and ``redis+cluster://`` and ``redis+sentinel://`` members
+    (`celery_redlock.nodes.urls`); ``username`` and ``password`` apply to every URL that names no
+    credentials of its own. Invalid arguments raise `ConfigurationError` saying how to fix them.
     """
 
     def __init__(
@@ -469,28 +453,19 @@ class Redlock:
         lock.valid_until = 0.0
         return result.successes >= self.quorum
 
-    def _release_value(self, key: str, value: str) -> None:
-        """Send a release of ``value`` to every node without waiting for the replies."""
-        self._group.run(
-            scripts.RELEASE,
-            (key, keyspace.fence_key(key)),
-            (value, 0),
-            judge_zero_or_one,
-            wait=False,
-        )
+    def _release_value(self, key: str, value: str, wait: bool = False) -> int:
+        """Release ``value`` at ``key`` on every node (without waiting for the replies unless
+        ``wait``); returns on how many nodes it was released (0 when not waiting)."""
+        keys, arguments = (key, keyspace.fence_key(key)), (value, 0)
+        return self._group.run(
+            scripts.RELEASE, keys, arguments, judge_zero_or_one, wait=wait, every=wait
+        ).successes
 
     def release_stored(self, key: str, value: str) -> int:
         """Delete the lock at ``key`` on every node where it still holds exactly ``value`` (a
         stored value read earlier: token and owner); returns on how many nodes it did. For
         operators' tools that free a lock they did not take, and never anybody else's."""
-        result = self._group.run(
-            scripts.RELEASE,
-            (key, keyspace.fence_key(key)),
-            (value, 0),
-            judge_zero_or_one,
-            every=True,
-        )
-        return result.successes
+        return self._release_value(key, value, wait=True)
 
     def run_script(
         self,

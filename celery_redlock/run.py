@@ -40,11 +40,11 @@ from .errors import (
 )
 from .keeper import KeptLock
 from .messages import message_field
-from .outcomes import Acquired, Contended, Held, Lock, Outcome, Record, Unavailable
+from .outcomes import Acquired, Contended, Held, Lock, Outcome, Record, Unavailable, new_token
 from .owner import Owner, claim_prefix, describe_holder
 from .plan import TaskPlan
 from .policy import Action, Situation, decide, outcome_name, relation_of
-from .redlock import jittered, new_token
+from .redlock import jittered
 
 logger = logging.getLogger(__name__)
 

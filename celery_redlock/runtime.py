@@ -12,8 +12,8 @@ from typing import Any
 from redis.exceptions import RedisError as RedisClientError
 
 from .keeper import LockKeeper
-from .redlock import Redlock, even_node_warning
-from .settings import RedlockSettings, has_password, redact_url
+from .redlock import Redlock
+from .settings import RedlockSettings, even_node_warning, has_password, redact_url
 
 logger = logging.getLogger(__name__)
 

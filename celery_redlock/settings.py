@@ -371,3 +371,14 @@ def _lock_urls(configured: object, broker_url: object) -> object:
             "'redis://r2:6379/0', 'redis://r3:6379/0'] (CELERY_REDLOCK_URLS under Django)"
         )
     return split_urls(configured)
+
+
+def even_node_warning(count: int) -> str | None:
+    """Why ``count`` lock nodes are a poor choice when the count is even, else None."""
+    if count % 2:
+        return None
+    return (
+        f"{count} lock nodes configured: an even number tolerates no more failed nodes than "
+        f"{count - 1} would ({count // 2 + 1} of {count} must agree), while adding a node that "
+        "can fail; use an odd number such as 3 or 5"
+    )

@@ -18,8 +18,7 @@ from typing import Any
 from redis.exceptions import ResponseError
 
 from ..errors import RedlockError
-from ..redlock import even_node_warning
-from ..settings import RedlockSettings
+from ..settings import RedlockSettings, even_node_warning
 from .fan_out import (
     BadReply,
     NodeClient,

@@ -8,7 +8,8 @@ quorum.
 - `subscriber`: one subscribed connection per server and process for release notifications;
 - `members`: what one entry of ``redlock_urls`` stands for (`StandaloneNode`; `cluster`,
   `sentinel`), made from its URL by `members_from_urls`;
-- `group`: `NodeGroup` and its rounds.
+- `round`: one script call on every member, its replies judged as they arrive;
+- `group`: `NodeGroup`, its connections in this process, and release listeners.
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ from .endpoint import (
     OwnPoolClient,
     describe_failure,
 )
-from .group import Judge, NodeGroup, ReleaseListener, RoundResult
+from .group import NodeGroup, ReleaseListener
 from .members import LockNode, StandaloneNode
 from .resp import ErrorReply, pack_command
+from .round import Judge, RoundResult
 from .urls import member_from_url, members_from_urls
 
 __all__ = [
