@@ -10,8 +10,10 @@ import logging
 from typing import Any
 
 from redis.exceptions import RedisError as RedisClientError
+from redis.exceptions import ResponseError
 
 from .keeper import LockKeeper
+from .nodes import LockNode, describe_failure
 from .redlock import Redlock
 from .settings import RedlockSettings, even_node_warning, has_password, redact_url
 
@@ -74,16 +76,31 @@ class AppRuntime:
                     redact_url(url),
                 )
         for node in nodes:
-            client = node.client(timeout=max(self.settings.node_timeout, 1.0))
-            try:
-                client.ping()
-            except (RedisClientError, OSError) as error:
+            problem = self._unanswered(node)
+            if problem:
                 logger.warning(
                     "lock node %s does not answer at worker start (%s); singleton tasks work "
                     "while a majority of the %d lock nodes answer",
                     node.name,
-                    error,
+                    problem,
                     len(nodes),
                 )
+
+    def _unanswered(self, node: LockNode) -> str:
+        """Why ``node`` (every server of it) does not answer a PING, or '' when it does. A
+        denied PING (NOPERM) is an answer."""
+        endpoints = node.endpoints()
+        if not endpoints:
+            return node.locating_error()
+        for endpoint in endpoints:
+            client = endpoint.client(timeout=max(self.settings.node_timeout, 1.0))
+            try:
+                client.ping()
+            except ResponseError as error:
+                if not str(error).startswith("NOPERM"):
+                    return describe_failure(error)
+            except (RedisClientError, OSError) as error:
+                return f"{endpoint.name}: {describe_failure(error)}"
             finally:
                 client.close()
+        return ""
