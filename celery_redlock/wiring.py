@@ -11,7 +11,8 @@ package's only module-level state:
   events (`celery_redlock.events`), and start the reaper timer when ``redlock_reap_interval`` is
   set (`celery_redlock.admin.reap`).
 
-Lost pool processes are handled by the request class, `celery_redlock.process_loss`.
+Lost pool processes are handled by the request class, `celery_redlock.process_loss`
+(`LockAwareRequest`, importable from here too, as in 0.2).
 """
 
 from __future__ import annotations
@@ -24,7 +25,10 @@ from celery import states
 from .admin.reap import start_reaper_thread
 from .events import remember_worker
 from .messages import name_message
+from .process_loss import LockAwareRequest
 from .run import RUN_ATTRIBUTE, Run
+
+__all__ = ["LockAwareRequest", "connect", "release_leftovers", "start_reaper"]
 
 
 def release_leftovers(sender: Any = None, task: Any = None, state: str = "", **_: Any) -> None:
