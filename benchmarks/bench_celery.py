@@ -54,13 +54,20 @@ modules, in the same rounds. The integration CPU of singleton_task is its worker
 minus plain's, minus the lock client's CPU per acquire + release with the same node count,
 computed in each round and reported as the median over rounds; the target is at most 50 µs.
 
+What the integration adds, against the lock client's own cost (issue 17): the wall time a
+``@singleton_task`` call takes over plain (from the median rates) divided by the lock client's
+wall time per acquire + release pair (from its median rate), for 1 and for 5 lock nodes; shown
+beside the ratio to plain, with its min - max when computed within each round. At most 1.0x is
+the goal: the integration costs a task no more than one acquire + release of the lock client.
+
 Runs are interleaved: every round runs every variant and both lock clients once, in an order
 rotated every round, so load from elsewhere on the machine falls on all of them alike. Before
 the rounds, each runs once with ``--warmup`` calls, not counted. The report is Markdown: the
 median tasks per second of each variant, its min - max over rounds, its ratio to plain, its cost
-per call over plain, the worker's and the lock nodes' CPU per call; the lock client alone; the
-integration CPU; then the checks of the targets (singleton_task at least 0.9x plain with 1 and
-with 5 lock nodes, integration CPU at most 50 µs per call with either) and the machine's load.
+per call over plain and that cost over the lock client's pair, the worker's and the lock nodes'
+CPU per call; the lock client alone; the integration CPU; then the checks of the targets
+(singleton_task at least 0.9x plain with 1 and with 5 lock nodes, what it adds at most 1.0x the
+lock client's pair, integration CPU at most 50 µs per call with either) and the machine's load.
 
 ``--candidate DIR`` adds ``redlock-1-candidate``, ``redlock-5-candidate`` and their lock
 clients: the same runs with another copy of ``celery_redlock`` (a proposed change) first on the
@@ -139,6 +146,7 @@ CANDIDATE = "-candidate"  # runs whose process imports celery_redlock from --can
 TARGETS = ("redlock-1", "redlock-5")
 TARGET_RATIO = 0.9
 TARGET_INTEGRATION_CPU_US = 50.0
+TARGET_ADDED_PER_CLIENT_PAIR = 1.0  # issue 17: what the integration adds <= one lock client pair
 LOCK_NODES = 5
 
 NOOP = "benchmark.noop"
@@ -594,11 +602,40 @@ class Results:
         """Microseconds per call over plain, from the median rates."""
         return (1 / self.median(variant) - 1 / self.median(BASELINE)) * 1e6
 
+    def integrated(self) -> list[str]:
+        """The ``@singleton_task`` variants whose lock client alone was measured too."""
+        return [
+            variant
+            for variant in self.workers()
+            if base_variant(variant) in CLIENT_OF and self.client_of(variant) in self.samples
+        ]
+
+    def client_of(self, variant: str) -> str:
+        """The lock client run with the same nodes and the same package as ``variant``."""
+        return CLIENT_OF[base_variant(variant)] + (CANDIDATE if variant.endswith(CANDIDATE) else "")
+
+    def added_per_client_pair(self, variant: str) -> float:
+        """What the integration adds per task over plain (wall time, from the median rates)
+        divided by the lock client's own acquire + release (wall time per pair, from its median
+        rate): 1.0x means ``@singleton_task`` costs a task exactly one lock client pair."""
+        client_pair_us = 1e6 / self.median(self.client_of(variant))
+        return self.overhead_us(variant) / client_pair_us
+
+    def added_per_client_pair_by_round(self, variant: str) -> list[float]:
+        """The same ratio computed within each round (its runs were minutes apart at most)."""
+        return [
+            (1 / own.rate - 1 / plain.rate) * alone.rate
+            for own, plain, alone in zip(
+                self.samples[variant],
+                self.samples[BASELINE],
+                self.samples[self.client_of(variant)],
+                strict=True,
+            )
+        ]
+
     def integration_cpu_us(self, variant: str) -> list[float]:
         """Per round: the variant's worker CPU per call minus plain's minus its lock client's."""
-        client = CLIENT_OF[base_variant(variant)] + (
-            CANDIDATE if variant.endswith(CANDIDATE) else ""
-        )
+        client = self.client_of(variant)
         return [
             own.cpu_us - plain.cpu_us - alone.cpu_us
             for own, plain, alone in zip(
@@ -728,15 +765,20 @@ def markdown(results: Results) -> str:
         f"{results.rounds} interleaved rounds, medians over rounds.",
         "",
         "| variant | tasks/s | min - max | x plain | µs/task over plain "
-        "| worker CPU µs/task | lock nodes CPU µs/task |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| added / lock client pair | by round | worker CPU µs/task | lock nodes CPU µs/task |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    integrated = results.integrated()
     for variant in results.workers():
         rates = [sample.rate for sample in results.samples[variant]]
         overhead = "—" if variant == BASELINE else f"{results.overhead_us(variant):+.0f}"
+        added, by_round = "—", "—"
+        if variant in integrated:
+            added = f"{results.added_per_client_pair(variant):.2f}x"
+            by_round = _spread(results.added_per_client_pair_by_round(variant), 2)
         lines.append(
             f"| {label(variant)} | {results.median(variant):,.0f} | {_spread(rates)} | "
-            f"{results.ratio(variant):.2f}x | {overhead} | "
+            f"{results.ratio(variant):.2f}x | {overhead} | {added} | {by_round} | "
             f"{results.median(variant, 'cpu_us'):.0f} | "
             f"{results.median(variant, 'node_cpu_us'):.0f} |"
         )
@@ -753,13 +795,6 @@ def markdown(results: Results) -> str:
                 f"{1e6 / results.median(variant):.0f} | {results.median(variant, 'cpu_us'):.0f} "
                 f"| {results.median(variant, 'node_cpu_us'):.0f} |"
             )
-    integrated = [
-        variant
-        for variant in results.workers()
-        if base_variant(variant) in CLIENT_OF
-        and CLIENT_OF[base_variant(variant)] + variant.removeprefix(base_variant(variant))
-        in results.samples
-    ]
     if integrated:
         lines += [
             "",
@@ -780,6 +815,15 @@ def markdown(results: Results) -> str:
         verdict = "PASS" if ratio >= TARGET_RATIO else "MISS"
         lines.append(
             f"- {verdict}: {label(variant)} at {ratio:.2f}x plain (target >= {TARGET_RATIO}x)"
+        )
+    for variant in integrated:
+        added = results.added_per_client_pair(variant)
+        verdict = "PASS" if added <= TARGET_ADDED_PER_CLIENT_PAIR else "MISS"
+        lines.append(
+            f"- {verdict}: {label(variant)} adds {results.overhead_us(variant):+.0f} µs per task "
+            f"over plain, {added:.2f}x the lock client's own acquire + release "
+            f"({1e6 / results.median(results.client_of(variant)):.0f} µs) "
+            f"(target <= {TARGET_ADDED_PER_CLIENT_PAIR:.1f}x, issue 17)"
         )
     for variant in integrated:
         value = statistics.median(results.integration_cpu_us(variant))
@@ -827,13 +871,7 @@ def _json_document(results: Results, details: dict[str, str]) -> dict[str, Any]:
             for variant, samples in results.samples.items()
         }
 
-    integrated = [
-        variant
-        for variant in results.workers()
-        if base_variant(variant) in CLIENT_OF
-        and CLIENT_OF[base_variant(variant)] + variant.removeprefix(base_variant(variant))
-        in results.samples
-    ]
+    integrated = results.integrated()
     return {
         "environment": details,
         "tasks": results.tasks,
@@ -847,6 +885,12 @@ def _json_document(results: Results, details: dict[str, str]) -> dict[str, Any]:
         "load_average": column("load"),
         "integration_cpu_us_per_task": {
             variant: results.integration_cpu_us(variant) for variant in integrated
+        },
+        "added_per_lock_client_pair": {
+            variant: results.added_per_client_pair(variant) for variant in integrated
+        },
+        "added_per_lock_client_pair_by_round": {
+            variant: results.added_per_client_pair_by_round(variant) for variant in integrated
         },
         "failed_runs": [
             {"variant": failure.variant, "outcomes": failure.outcomes}
