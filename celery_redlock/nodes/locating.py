@@ -36,6 +36,12 @@ class Locator:
             self._run()
         return self.located
 
+    def refresh_if_older(self, seconds: float) -> None:
+        """Look again in the background when the last look started ``seconds`` ago or more: for
+        what nothing announces (a master the sentinels replaced while it kept running)."""
+        if self.located and time.monotonic() - self._looked_at >= seconds:
+            self.relocate()
+
     def relocate(self) -> None:
         """Look again in the background (unless a look is under way or was just made)."""
         pid = os.getpid()

@@ -2,9 +2,12 @@
 
 The member is whichever server the sentinels name as the master of the service
 (``SENTINEL get-master-addr-by-name``). It is asked on first use, and again in the background
-after the master fails or answers ``READONLY`` (a master demoted by a failover). Replication is
-asynchronous: a lock granted by a master that fails before its replica got the write is lost with
-it, unless ``redlock_wait_replicas`` makes a grant count only once replicas acknowledged it.
+after the master fails or answers ``READONLY`` (a master demoted by a failover), and at least
+every `REFRESH_SECONDS` while the member is used (a master replaced while it keeps running says
+nothing for several seconds). Replication is asynchronous: a lock granted by a master that fails
+before its replica got the write is lost with it, and a grant by a replaced master that has not
+noticed yet is not seen by the new one, unless ``redlock_wait_replicas`` makes a grant count only
+once replicas acknowledged it.
 """
 
 from __future__ import annotations
@@ -17,6 +20,12 @@ from .endpoint import Endpoint
 from .locating import Locator
 from .members import LockNode
 from .resp import ErrorReply
+
+REFRESH_SECONDS = 1.0
+"""How old the master's address may get before the sentinels are asked again (in the background).
+After a ``SENTINEL FAILOVER`` the old master keeps running, and answers writes as a master,
+for some seconds until the sentinels turn it into a replica: nothing else tells the member, and a
+member that kept granting locks there would disagree with every member that asked afresh."""
 
 
 class SentinelNode(LockNode):
@@ -43,7 +52,8 @@ class SentinelNode(LockNode):
         self.locator = Locator(self.name, self._ask_sentinels)
 
     def endpoint_for(self, key: str) -> Endpoint | None:
-        self.locator.ensure()
+        if self.locator.ensure():
+            self.locator.refresh_if_older(REFRESH_SECONDS)
         return self._master
 
     def endpoints(self) -> list[Endpoint]:
@@ -54,7 +64,8 @@ class SentinelNode(LockNode):
         return f"no sentinel named its master ({self.locator.last_error or 'not asked yet'})"
 
     def notice(self, reply: ErrorReply, endpoint: Endpoint) -> None:
-        if reply.code in ("READONLY", "LOADING", "MASTERDOWN"):
+        # Inside a script on Redis 6.2 every error reply is an "ERR ...": read the text too.
+        if reply.code in ("READONLY", "LOADING", "MASTERDOWN") or "READONLY" in reply.text:
             self.locator.relocate()
 
     def notice_failure(self, endpoint: Endpoint) -> None:
