@@ -1,0 +1,309 @@
+"""Lock nodes over TLS with verification (``rediss://``), on TLS-only ``redis-server`` processes
+and certificates the harness makes (`TLSCertificates`): an authority, a server certificate for
+127.0.0.1, a client certificate, and an unrelated authority.
+
+- server verification: ``?ssl_ca_certs=<the authority>&ssl_cert_reqs=required``;
+- client certificates (``ssl_certfile``, ``ssl_keyfile``) for servers that require one;
+- a wrong authority, a missing client certificate and a hung server: an error that says what is
+  wrong, within about ``node_timeout``, never a hang;
+- a Celery worker whose singleton tasks lock (and wait for release notifications) over TLS;
+- ``admin.node_status`` and ``celery redlock status`` over TLS.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import pytest
+from celery_apps.support import LockSignals, embedded_worker, make_app
+from cli_app import create_app
+from cli_support import FAST, invoke
+from env_cli_app import run_redlock_command
+from redlock_support import wait_until
+
+from celery_redlock import QuorumUnavailable, Redlock, admin, singleton_task
+from celery_redlock.outcomes import Unavailable
+from celery_redlock.testing import RedisServer, TLSCertificates
+
+NODE_TIMEOUT = 0.5
+# An error must come within about node_timeout: generous for a busy machine, far below a hang.
+PROMPT = 2.0
+VERIFY_FAILED = "certificate verify failed"
+
+
+@pytest.fixture(scope="module")
+def certificates() -> Iterator[TLSCertificates]:
+    """The module's authority, server and client certificates, and an unrelated authority."""
+    with TLSCertificates.create() as made:
+        yield made
+
+
+def start_tls_servers(certificates: TLSCertificates, client_certificates: bool) -> list[Any]:
+    """Three started TLS-only servers; with ``client_certificates`` they require one."""
+    servers = []
+    try:
+        for _ in range(3):
+            servers.append(
+                RedisServer(tls=certificates, tls_auth_clients=client_certificates).start()
+            )
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
+    return servers
+
+
+@pytest.fixture(scope="module")
+def verifying_servers(certificates: TLSCertificates) -> Iterator[list[RedisServer]]:
+    """Three TLS servers that ask clients for no certificate: the client verifies the server."""
+    servers = start_tls_servers(certificates, client_certificates=False)
+    yield servers
+    for server in servers:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def mutual_servers(certificates: TLSCertificates) -> Iterator[list[RedisServer]]:
+    """Three TLS servers that require a client certificate signed by the authority."""
+    servers = start_tls_servers(certificates, client_certificates=True)
+    yield servers
+    for server in servers:
+        server.stop()
+
+
+def tls_url(
+    server: RedisServer,
+    authority: Path,
+    certificates: TLSCertificates | None = None,
+) -> str:
+    """The ``rediss://`` URL a user writes: verify the server against ``authority`` (required)
+    and, with ``certificates``, present their client certificate."""
+    url = (
+        f"rediss://127.0.0.1:{server.port}/0"
+        f"?ssl_ca_certs={quote(str(authority))}&ssl_cert_reqs=required"
+    )
+    if certificates is not None:
+        url += f"&ssl_certfile={quote(str(certificates.client_certificate))}"
+        url += f"&ssl_keyfile={quote(str(certificates.client_key))}"
+    return url
+
+
+def values_on(servers: list[RedisServer], key: str) -> list[str | None]:
+    """``key``'s value on each server (the harness's clients speak TLS with its certificates)."""
+    values = []
+    for server in servers:
+        with server.client(decode_responses=True, socket_timeout=5) as client:
+            values.append(client.get(key))
+    return values
+
+
+def round_trip(redlock: Redlock, servers: list[RedisServer], resource: str) -> None:
+    """Acquire, check the lock on every server, extend, release: the whole lock path."""
+    lock = redlock.acquire(resource, 10, owner="tls test")
+    assert lock is not None
+    assert wait_until(lambda: values_on(servers, lock.key) == [lock.value] * 3)
+    holder = redlock.holder_of(resource)
+    assert holder is not None and holder.holder == "tls test"
+    assert redlock.extend(lock)
+    assert redlock.release(lock)
+    assert wait_until(lambda: values_on(servers, lock.key) == [None] * 3)
+
+
+def failing_acquisition(urls: list[str]) -> tuple[QuorumUnavailable, float]:
+    """The error of an acquisition on ``urls`` that must fail, and how long it took."""
+    redlock = Redlock(urls, node_timeout=NODE_TIMEOUT)
+    started = time.monotonic()
+    try:
+        with pytest.raises(QuorumUnavailable) as raised:
+            redlock.acquire("tls:refused", 10)
+        return raised.value, time.monotonic() - started
+    finally:
+        redlock.close()
+
+
+# -- verification -------------------------------------------------------------------------------
+
+
+def test_the_server_is_verified_against_the_authority(
+    verifying_servers: list[RedisServer], certificates: TLSCertificates
+) -> None:
+    urls = [tls_url(server, certificates.ca_certificate) for server in verifying_servers]
+    redlock = Redlock(urls, node_timeout=NODE_TIMEOUT)
+    try:
+        round_trip(redlock, verifying_servers, "tls:verified")
+    finally:
+        redlock.close()
+
+
+def test_client_certificates_log_in_where_the_server_requires_one(
+    mutual_servers: list[RedisServer], certificates: TLSCertificates
+) -> None:
+    urls = [tls_url(server, certificates.ca_certificate, certificates) for server in mutual_servers]
+    redlock = Redlock(urls, node_timeout=NODE_TIMEOUT)
+    try:
+        round_trip(redlock, mutual_servers, "tls:mutual")
+    finally:
+        redlock.close()
+
+
+def test_without_a_client_certificate_the_server_refuses_promptly(
+    mutual_servers: list[RedisServer], certificates: TLSCertificates
+) -> None:
+    urls = [tls_url(server, certificates.ca_certificate) for server in mutual_servers]
+
+    error, seconds = failing_acquisition(urls)
+
+    assert error.answered == 0 and error.needed == 2
+    assert len(error.reasons) == 3
+    assert seconds < PROMPT, seconds
+
+
+def test_a_wrong_authority_fails_promptly_with_a_verification_error(
+    verifying_servers: list[RedisServer], certificates: TLSCertificates
+) -> None:
+    wrong = certificates.unrelated_ca_certificate
+    urls = [tls_url(server, wrong) for server in verifying_servers]
+
+    error, seconds = failing_acquisition(urls)
+
+    assert seconds < PROMPT, seconds  # with node_timeout 0.5 s; measured 0.1-0.8 s
+    assert error.answered == 0
+    assert len(error.reasons) == 3
+    assert all(VERIFY_FAILED in reason for reason in error.reasons), error.reasons
+    assert VERIFY_FAILED in str(error)
+
+    # One attempt (no retries) fails as fast, and says the same.
+    redlock = Redlock(urls, node_timeout=NODE_TIMEOUT)
+    try:
+        started = time.monotonic()
+        outcome = redlock.attempt("tls:refused-once", 10, rounds=1)
+        assert time.monotonic() - started < PROMPT
+    finally:
+        redlock.close()
+    assert isinstance(outcome, Unavailable)
+    assert VERIFY_FAILED in str(outcome.error)
+
+
+def test_a_hung_tls_server_costs_one_node_timeout(
+    mutual_servers: list[RedisServer], certificates: TLSCertificates
+) -> None:
+    """A server that accepts the connection but never finishes the TLS handshake (SIGSTOP:
+    the kernel still accepts) is given up after node_timeout; the others decide."""
+    urls = [tls_url(server, certificates.ca_certificate, certificates) for server in mutual_servers]
+    hung = mutual_servers[0]
+    hung.pause()
+    redlock = Redlock(urls, node_timeout=NODE_TIMEOUT)
+    try:
+        started = time.monotonic()
+        lock = redlock.acquire("tls:hung", 10)
+        seconds = time.monotonic() - started
+        assert lock is not None
+        assert seconds < PROMPT, seconds
+        redlock.release(lock)
+    finally:
+        hung.resume()
+        redlock.close()
+
+
+# -- Celery and the operators' commands ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def broker() -> Iterator[RedisServer]:
+    """The broker and result back-end (plain TCP: only the lock nodes speak TLS here)."""
+    with RedisServer() as server:
+        yield server
+
+
+def test_a_worker_runs_singleton_tasks_on_tls_lock_nodes(
+    mutual_servers: list[RedisServer], certificates: TLSCertificates, broker: RedisServer
+) -> None:
+    urls = [tls_url(server, certificates.ca_certificate, certificates) for server in mutual_servers]
+    app = make_app(broker, urls)
+    gate, started = threading.Event(), {}
+
+    @singleton_task(
+        app=app,
+        shared=False,
+        bind=True,
+        name="tls.sync",
+        lock_args=("account",),
+        on_duplicate="wait",
+        lock_ttl=30,
+    )
+    def sync(self: Any, account: int, hold: bool = False) -> str:
+        started[self.request.id] = time.monotonic()
+        if hold:
+            assert wait_until(lambda: None not in values_on(mutual_servers, self.lock.key))
+            gate.wait(10)
+        return str(self.lock.key)
+
+    signals = LockSignals().connect()
+    try:
+        with embedded_worker(app, concurrency=2):
+            first = sync.delay(1, hold=True)
+            assert wait_until(lambda: first.id in started, 10)
+            second = sync.delay(1)
+            # The duplicate waits for the release notification (subscribed over TLS).
+            signals.wait("lock_duplicate", task_id=second.id, policy="wait")
+            assert second.id not in started
+            released = time.monotonic()
+            gate.set()
+            key = first.get(timeout=10)
+            assert second.get(timeout=10) == key
+    finally:
+        gate.set()
+        signals.disconnect()
+    # Woken by the release, not by the end of the holder's 30 s ttl.
+    assert started[second.id] - released < 5
+    assert wait_until(lambda: values_on(mutual_servers, key) == [None] * 3)
+
+
+def test_node_status_and_the_status_command_over_tls(
+    mutual_servers: list[RedisServer], certificates: TLSCertificates
+) -> None:
+    urls = [tls_url(server, certificates.ca_certificate, certificates) for server in mutual_servers]
+    app = create_app(urls)
+
+    statuses = admin.node_status(app, timeout=NODE_TIMEOUT)
+    in_process = invoke(app, "status", *FAST)
+    command = run_redlock_command(urls, "status", "--json", *FAST)
+
+    for status, server in zip(statuses, mutual_servers, strict=True):
+        with server.client(decode_responses=True) as client:
+            version = client.info("server")["redis_version"]
+        assert status.reachable and status.error is None, status
+        assert status.redis_version == version and status.role == "master"
+        assert status.could_not_read == ()
+    assert in_process.exit_code == 0, in_process.output
+    assert "3 of 3 reachable, a majority is 2: OK" in in_process.output
+    assert command.returncode == 0, command.stdout + command.stderr
+    report = json.loads(command.stdout)
+    assert (report["reachable"], report["has_quorum"]) == (3, True)
+    assert all(node["node"].startswith("rediss://127.0.0.1:") for node in report["nodes"])
+
+
+def test_status_names_a_node_whose_certificate_fails_verification(
+    mutual_servers: list[RedisServer], certificates: TLSCertificates
+) -> None:
+    authority, wrong = certificates.ca_certificate, certificates.unrelated_ca_certificate
+    urls = [tls_url(server, authority, certificates) for server in mutual_servers[:2]]
+    urls.append(tls_url(mutual_servers[2], wrong, certificates))
+    app = create_app(urls)
+
+    started = time.monotonic()
+    statuses = admin.node_status(app, timeout=NODE_TIMEOUT)
+    seconds = time.monotonic() - started
+    result = invoke(app, "status", *FAST)
+
+    assert seconds < PROMPT, seconds
+    assert [status.reachable for status in statuses] == [True, True, False]
+    assert statuses[2].error is not None and VERIFY_FAILED in statuses[2].error
+    assert result.exit_code == 0, result.output  # a majority is reachable
+    assert "2 of 3 reachable" in result.output and VERIFY_FAILED in result.output
