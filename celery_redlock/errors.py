@@ -92,9 +92,12 @@ class QuorumUnavailable(RedlockError):
     def __str__(self) -> str:
         why = f" ({'; '.join(self.reasons)})" if self.reasons else ""
         # A denied command names its own fix (the ACL), and is no network failure.
-        hint = (
-            "" if "NOPERM" in why else "; check that the redlock_urls servers are up and reachable"
-        )
+        if "NOPERM" in why:
+            hint = ""
+        elif "certificate" in why or "SSL" in why:
+            hint = "; check the TLS options of redlock_urls (ssl_ca_certs, ssl_certfile, ...)"
+        else:
+            hint = "; check that the redlock_urls servers are up and reachable"
         return (
             f"no quorum for lock {self.key!r}: {self.answered} lock node(s) answered, "
             f"{self.needed} needed{why}{hint}"

@@ -40,7 +40,11 @@ _CALL = """
 local function call(...)
     local reply = redis.pcall(...)
     if type(reply) == 'table' and reply.err then
-        error({err = reply.err .. ' [command ' .. string.lower((...)) .. ']'})
+        local message = reply.err .. ' [command ' .. string.lower((...)) .. ']'
+        if redis.REDIS_VERSION then
+            error({err = message})  -- Redis 7 and Valkey: the reply is this error as it is
+        end
+        error(message)  -- Redis 6.2: "ERR Error running script ...: <message>"
     end
     return reply
 end

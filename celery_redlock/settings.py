@@ -9,6 +9,7 @@ setting refuses to start.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
@@ -353,9 +354,12 @@ def check_policy(name: str, value: object, allowed: Sequence[str]) -> None:
 
 
 def split_urls(urls: object) -> object:
-    """A comma-separated string of URLs as a tuple; anything else unchanged (checked later)."""
+    """A comma-separated string of URLs as a tuple; anything else unchanged (checked later).
+    Only a comma followed by a scheme (``,redis://``) separates URLs: the host lists of cluster
+    and sentinel URLs hold commas of their own."""
     if isinstance(urls, str):
-        return tuple(url.strip() for url in urls.split(",") if url.strip())
+        parts = re.split(r",\s*(?=[a-z][a-z0-9+.-]*://)", urls.strip())
+        return tuple(part.strip() for part in parts if part.strip())
     return urls
 
 

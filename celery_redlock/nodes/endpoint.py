@@ -38,12 +38,13 @@ ACL_HINT = "apply the least-privilege ACL line of README's 'TLS, passwords, ACL 
 
 # How servers say that the ACL user may not do something: NOPERM replies, and the errors of
 # commands run inside scripts (which the scripts' call() suffixes with "[command <name>]").
-_DENIED = ("NOPERM", "can't run this command", "No permissions to access")
+_DENIED = ("NOPERM", "can't run this command", "No permissions to access", "ACL failure in script")
 
 
-def describe_failure(reason: object) -> str:
+def describe_failure(reason: object, user: str | None = None) -> str:
     """A one-line account of why a server gave no usable reply. A denied command names the
-    command and the ACL rule that grants it, instead of looking like a network failure."""
+    command and the ACL rule that grants ``user`` (when known) it, instead of looking like a
+    network failure."""
     text = str(reason)
     if not any(marker in text for marker in _DENIED):
         return text
@@ -59,7 +60,7 @@ def describe_failure(reason: object) -> str:
         command = named.group(1).lower()
         return (
             f"NOPERM: the node's user may not run {command!r}; grant it with "
-            f"ACL SETUSER <user> +{command}, or {ACL_HINT}"
+            f"ACL SETUSER {user or '<user>'} +{command}, or {ACL_HINT}"
         )
     return f"NOPERM: the node's user lacks a permission ({text}); {ACL_HINT}"
 
@@ -241,7 +242,7 @@ class Endpoint:
     def mark_down(self, now: float, reason: object) -> None:
         """Skip this server for a while (doubling each time it fails again, up to a cap)."""
         was_up = self._backoff == 0.0
-        self.last_error = describe_failure(reason)
+        self.last_error = describe_failure(reason, self.options.get("username"))
         self._backoff = min(MAX_BACKOFF_SECONDS, max(FIRST_BACKOFF_SECONDS, self._backoff * 2))
         self._down_until = now + self._backoff
         self._suspect = True

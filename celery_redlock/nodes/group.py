@@ -223,17 +223,19 @@ class ReleaseListener(Waiting):
         self.subscribers.clear()
 
     def wait(self, seconds: float) -> bool:
-        """Sleep up to ``seconds``; True as soon as any member announced a release."""
+        """Sleep up to ``seconds``; True as soon as any member announced a release — including
+        one announced since the previous wait (an attempt in between must not miss it)."""
         if not self.subscribers:
             time.sleep(max(seconds, 0))
             return False
         reactor = self.connections.reactor
         deadline = time.monotonic() + max(seconds, 0)
-        with reactor.lock:
-            self.notified = False
-        while time.monotonic() < deadline:
+        while True:
             with reactor.lock:
-                self.satisfied = self.notified
-            if reactor.wait(self, deadline) and self.notified:
-                return True
-        return self.notified
+                if self.notified:
+                    self.notified = False
+                    return True
+                self.satisfied = False
+            if time.monotonic() >= deadline:
+                return False
+            reactor.wait(self, deadline)

@@ -36,6 +36,7 @@ counts as no answer, like an error reply)."""
 # Error replies that are no answer but an address: send the command there (or after a script
 # load) and wait for that reply instead.
 _FOLLOWED = ("MOVED", "ASK", "NOSCRIPT")
+FOLLOW_UPS_PER_MEMBER = 3
 
 
 @dataclass
@@ -102,6 +103,9 @@ class Round(Waiting):
         self.why_not: list[str | None] = ["not asked"] * count
         self.calls: list[NodeCall | None] = [None] * count
         self.follow_ups: list[tuple[NodeCall, Slot]] = []
+        # A member's command is followed to another server (or sent again with its script) at
+        # most this often per round: a redirection loop (ASKING denied) ends as no answer.
+        self.follow_ups_left = [FOLLOW_UPS_PER_MEMBER] * count
         self.outstanding = 0
         self.successes = 0
         self.answered = 0
@@ -169,7 +173,9 @@ class Round(Waiting):
         if asking:
             commands.insert(0, pack_command("ASKING"))
         if self.grants and node.wait_replicas:
-            timeout_ms = max(1, int(self.node_timeout * 1000))
+            # Half the node timeout: WAIT holds up the replies of the whole (shared) connection
+            # while it waits, and its own reply must arrive within the round.
+            timeout_ms = max(1, int(self.node_timeout * 500))
             commands.append(pack_command("WAIT", node.wait_replicas, timeout_ms))
         call.slots = [Slot(self, call) for _ in commands]
         call.main = call.slots[1 if asking else 0]
@@ -189,7 +195,13 @@ class Round(Waiting):
             return  # a superseded call, or the rest of its replies is still to come
         assert call.main is not None
         reply = call.main.reply
-        if isinstance(reply, ErrorReply) and reply.code in _FOLLOWED and not self.finished:
+        if (
+            isinstance(reply, ErrorReply)
+            and reply.code in _FOLLOWED
+            and not self.finished
+            and self.follow_ups_left[call.index] > 0
+        ):
+            self.follow_ups_left[call.index] -= 1
             self.follow_ups.append((call, call.main))
             self.call_attention()
             return
@@ -203,6 +215,9 @@ class Round(Waiting):
             node.notice_failure(endpoint)
             self._settle(index, call.main.failure)
             return
+        denied = [slot.reply for slot in call.slots if isinstance(slot.reply, ErrorReply)]
+        if denied and call.main is not call.slots[0] and denied[0] is call.slots[0].reply:
+            reply = denied[0]  # ASKING refused (an ACL without +asking): that is the answer
         if isinstance(reply, ErrorReply):
             node.notice(reply, endpoint)  # MOVED, READONLY...: the member learns anew
             if reply.code in ("MOVED", "ASK", "TRYAGAIN"):
@@ -221,7 +236,12 @@ class Round(Waiting):
             return
         if verdict and call.replicas is not None:
             acknowledged = call.replicas.reply
+            if isinstance(acknowledged, ErrorReply):  # WAIT refused (an ACL without +wait)
+                endpoint.mark_down(time.monotonic(), f"error reply: {acknowledged}")
+                self._settle(index, endpoint.last_error)
+                return
             if not isinstance(acknowledged, int) or acknowledged < node.wait_replicas:
+                node.notice_failure(endpoint)  # a failover may have left the master alone
                 self._settle(
                     index,
                     f"{acknowledged if isinstance(acknowledged, int) else 'no'} of "
@@ -293,7 +313,7 @@ class Round(Waiting):
             self._send(index, node, call.endpoint, packed, asking=False)
             return
         redirect = node.redirect(reply, call.endpoint)
-        if redirect is None or len(call.slots) > 3:
+        if redirect is None:
             with self.connections.reactor.lock:
                 self._take(call)
             return
