@@ -122,6 +122,7 @@ class Redlock:
         )
         self._group = NodeGroup(members, self.node_timeout)
         self.quorum = self._group.quorum
+        self._checked_ttl: float | None = None
 
     @property
     def nodes(self) -> list[LockNode]:
@@ -184,7 +185,10 @@ class Redlock:
         return self._attempt_at(resource, key, ttl, owner, token, "", None, None)
 
     def _checked_key(self, resource: str, ttl: float) -> str:
-        self.check_ttl(ttl)
+        # A task's runs share one (float) ttl: it is checked once, not on every run.
+        if not (ttl.__class__ is float and ttl == self._checked_ttl):
+            self.check_ttl(ttl)
+            self._checked_ttl = ttl if ttl.__class__ is float else None
         if not isinstance(resource, str) or not resource:
             raise ConfigurationError(f"resource must be a non-empty string, got {resource!r}")
         return self.key_for(resource)
@@ -210,7 +214,7 @@ class Redlock:
             keys.append(record.key)
             extra += [record.field, record.rank_text]
         ttl_ms = max(1, int(ttl * 1000))
-        outcome: Outcome = Unavailable(QuorumUnavailable(key, 0, self.quorum))
+        outcome: Outcome | None = None
         for round_number in range(self.retry_count if rounds is None else rounds):
             if round_number:
                 time.sleep(jittered(self.retry_delay))
@@ -230,7 +234,7 @@ class Redlock:
             self._release_value(key, value)
             if not isinstance(outcome, (Contended, Unavailable)):
                 return outcome
-        return outcome
+        return outcome or Unavailable(QuorumUnavailable(key, 0, self.quorum))
 
     def _outcome(
         self,

@@ -107,20 +107,31 @@ class Channel:
 
     # -- writing -----------------------------------------------------------------------------
 
-    def send(self, payload: bytes, slots: Sequence[Slot]) -> list[Slot]:
+    def send(
+        self, payload: bytes, slots: Sequence[Slot], late_after: float | None = None
+    ) -> list[Slot]:
         """Queue ``payload``, whose replies go to ``slots`` in order, and write it (with whatever
         else is queued) unless another thread is writing, which then takes it along. Connects
-        first when needed. Returns the slots that failed at once (the connection could not be
-        opened or the write failed): they are answered with `NO_REPLY`."""
+        first when needed. With ``late_after``, a connection whose oldest owed reply is that
+        many seconds late (and not waiting to be read) is failed first: the server is hung.
+        Returns the slots that failed (those of other callers too): they are answered with
+        `NO_REPLY`, and the server is backed off."""
         with self.lock:
             now = time.monotonic()
-            if (
-                self.socket is not None
-                and not self._pending
-                and now - self._last_used > IDLE_CHECK_SECONDS
-                and self._closed_by_server()
-            ):
-                self._close_locked()  # a restarted server: this command must not go to waste
+            pending = self._pending
+            if self.socket is not None:
+                if pending:
+                    if (
+                        late_after is not None
+                        and now - pending[0].sent_at > late_after
+                        and not self._closed_by_server()
+                    ):
+                        failed = self._fail_locked(f"no reply within {late_after}s")
+                        for slot in slots:  # not queued behind a hung server
+                            slot.failure, slot.done = self.endpoint.last_error, True
+                        return failed + list(slots)
+                elif now - self._last_used > IDLE_CHECK_SECONDS and self._closed_by_server():
+                    self._close_locked()  # a restarted server: this command must not go to waste
             if self.socket is None:
                 try:
                     self._connect_locked()
@@ -132,30 +143,31 @@ class Channel:
             for slot in slots:
                 slot.sent_at = now
                 slot.channel = self
-            self._pending.extend(slots)
-            self._outbox.append(payload)
+            pending.extend(slots)
             if self._writing:
+                self._outbox.append(payload)  # the thread writing now takes it along
                 return []
             self._writing = True
-        return self._write_queued()
-
-    def _write_queued(self) -> list[Slot]:
-        while True:
-            with self.lock:
-                if not self._outbox or self.socket is None:
-                    self._writing = False
-                    return []
-                data = b"".join(self._outbox)
+            if self._outbox:  # the greeting of a new connection goes first
+                self._outbox.append(payload)
+                payload = b"".join(self._outbox)
                 self._outbox.clear()
-                sock, generation = self.socket, self.generation
+            sock, generation = self.socket, self.generation
+        while True:
             try:
-                sock.sendall(data)
+                sock.sendall(payload)
             except BaseException as error:
                 # Part of the data may have gone out: the order of replies is in doubt.
                 failed = self.fail(generation, f"write failed: {describe_failure(error)}")
                 if not isinstance(error, (OSError, RedisClientError)):
                     raise
                 return failed
+            with self.lock:
+                if not self._outbox or generation != self.generation:
+                    self._writing = False
+                    return []
+                payload = b"".join(self._outbox)
+                self._outbox.clear()
 
     def _connect_locked(self) -> None:
         sock = self.endpoint.open_socket()
@@ -283,7 +295,7 @@ class Channel:
         self._writing = False
         self._parser = ReplyParser()
 
-    def _fail_slots(self, slots: Sequence[Slot], error: BaseException) -> list[Slot]:
+    def _fail_slots(self, slots: Sequence[Slot], error: object) -> list[Slot]:
         self.endpoint.mark_down(time.monotonic(), error)
         for slot in slots:
             slot.failure = self.endpoint.last_error

@@ -33,6 +33,7 @@ class Waiting:
     def __init__(self) -> None:
         self.satisfied = False
         self.attention = False  # its thread must act before waiting on (see `call_attention`)
+        self.asleep = False  # its thread sleeps (or is about to): only then is it woken
         self._wakeup = threading.Lock()
         self._wakeup.acquire()
 
@@ -50,9 +51,12 @@ class Waiting:
         self.wake()
 
     def wake(self) -> None:
-        """Wake the waiting thread (to find itself satisfied, or to take over reading)."""
-        with contextlib.suppress(RuntimeError):  # woken already
-            self._wakeup.release()
+        """Wake the waiting thread (to find itself satisfied, or to take over reading) if it
+        sleeps; a thread that reads finds out by itself. Called with the reactor's lock held."""
+        if self.asleep:
+            self.asleep = False
+            with contextlib.suppress(RuntimeError):  # woken already
+                self._wakeup.release()
 
     def sleep(self, timeout: float) -> None:
         """Sleep until woken or ``timeout`` seconds pass."""
@@ -130,8 +134,10 @@ class Reactor:
                     self._reading = True
                     if waiting in self._waiting:
                         self._waiting.remove(waiting)
-                elif waiting not in self._waiting:
-                    self._waiting.append(waiting)
+                else:
+                    waiting.asleep = True
+                    if waiting not in self._waiting:
+                        self._waiting.append(waiting)
             if reading:
                 try:
                     self._read_until(waiting, deadline)

@@ -126,64 +126,77 @@ class Round(Waiting):
             # reached before a restarted server answers): send the source, which cannot miss.
             packed = pack_command("EVAL", self.script.source, *self.call)
         now = time.monotonic()
-        probing: list[tuple[int, Endpoint]] = []
-        with self.connections.reactor.lock:
-            self.outstanding = len(self.nodes)
+        self.outstanding = len(self.nodes)  # before any slot is sent: nobody delivers yet
+        skipped: list[tuple[int, LockNode, Endpoint | None]] = []
         for index, node in enumerate(self.nodes):
             endpoint = node.endpoint_for(self.key)
             if endpoint is None or endpoint.is_backed_off(now):
-                if endpoint is not None:
-                    node.notice_failure(endpoint)
-                why = endpoint.last_error if endpoint is not None else node.locating_error()
-                self._settle(index, f"skipped while backed off ({why})")
-                if endpoint is not None and endpoint.probing:
-                    probing.append((index, endpoint))
-                continue
-            self._send(index, node, endpoint, packed, asking=False)
-        if wait and probing and self._sent() < self.quorum:
-            until = time.monotonic() + self.node_timeout
-            for _, endpoint in probing:
-                endpoint.wait_for_probe(until - time.monotonic())
-            now = time.monotonic()
-            for index, endpoint in probing:
-                if not endpoint.is_backed_off(now):
-                    with self.connections.reactor.lock:
-                        self.outstanding += 1
-                        self.failures -= 1
-                    self._send(index, self.nodes[index], endpoint, packed, asking=False)
+                skipped.append((index, node, endpoint))
+            else:
+                self._send(index, node, endpoint, packed, asking=False)
+        if skipped:
+            self._skip(skipped, packed, wait)
         self.deadline = time.monotonic() + self.node_timeout
 
-    def _sent(self) -> int:
-        return sum(call is not None for call in self.calls)
+    def _skip(
+        self, skipped: list[tuple[int, LockNode, Endpoint | None]], packed: bytes, wait: bool
+    ) -> None:
+        """Members that are backed off get no command; when too few others are left for a
+        quorum, those being probed are waited for (one node_timeout) and taken in if up."""
+        reactor = self.connections.reactor
+        with reactor.lock:
+            for index, node, endpoint in skipped:
+                why = endpoint.last_error if endpoint is not None else node.locating_error()
+                self._settle(index, f"skipped while backed off ({why})")
+        for _, node, endpoint in skipped:
+            if endpoint is not None:
+                node.notice_failure(endpoint)
+        probing = [
+            (index, node, endpoint)
+            for index, node, endpoint in skipped
+            if endpoint is not None and endpoint.probing
+        ]
+        sent = sum(call is not None for call in self.calls)
+        if not (wait and probing and sent < self.quorum):
+            return
+        until = time.monotonic() + self.node_timeout
+        for _, _, endpoint in probing:
+            endpoint.wait_for_probe(until - time.monotonic())
+        now = time.monotonic()
+        for index, node, endpoint in probing:
+            if not endpoint.is_backed_off(now):
+                with reactor.lock:
+                    self.outstanding += 1
+                    self.failures -= 1
+                self._send(index, node, endpoint, packed, asking=False)
 
     def _send(
         self, index: int, node: LockNode, endpoint: Endpoint, packed: bytes, asking: bool
     ) -> None:
-        channel = self.connections.channel(endpoint)
-        late = channel.fail_if_late(time.monotonic(), self.node_timeout)
-        if late:
-            # An earlier command is still unanswered past node_timeout: the server is hung.
-            # Nothing more is queued behind it; it is backed off like any failure.
-            self.connections.reactor.deliver(late)
-            with self.connections.reactor.lock:
-                self._settle(index, endpoint.last_error)
-            return
         call = NodeCall(index, endpoint)
-        commands = [packed]
-        if asking:
-            commands.insert(0, pack_command("ASKING"))
-        if self.grants and node.wait_replicas:
-            # Half the node timeout: WAIT holds up the replies of the whole (shared) connection
-            # while it waits, and its own reply must arrive within the round.
-            timeout_ms = max(1, int(self.node_timeout * 500))
-            commands.append(pack_command("WAIT", node.wait_replicas, timeout_ms))
-        call.slots = [Slot(self, call) for _ in commands]
-        call.main = call.slots[1 if asking else 0]
-        if self.grants and node.wait_replicas:
-            call.replicas = call.slots[-1]
+        waits = self.grants and node.wait_replicas
+        if asking or waits:
+            commands = [packed]
+            if asking:
+                commands.insert(0, pack_command("ASKING"))
+            if waits:
+                # Half the node timeout: WAIT holds up the replies of the whole (shared)
+                # connection while it waits, and its own reply must arrive within the round.
+                timeout_ms = max(1, int(self.node_timeout * 500))
+                commands.append(pack_command("WAIT", node.wait_replicas, timeout_ms))
+            call.slots = [Slot(self, call) for _ in commands]
+            call.main = call.slots[1 if asking else 0]
+            call.replicas = call.slots[-1] if waits else None
+            packed = b"".join(commands)
+        else:
+            call.main = Slot(self, call)
+            call.slots = [call.main]
         self.calls[index] = call
         self.why_not[index] = None
-        failed = channel.send(b"".join(commands), call.slots)
+        # A server still owing a reply older than node_timeout is hung: the command is not
+        # queued behind it, and the server is backed off (the slots fail at once).
+        channel = self.connections.channel(endpoint)
+        failed = channel.send(packed, call.slots, late_after=self.node_timeout)
         if failed:
             self.connections.reactor.deliver(failed)
 
@@ -290,6 +303,8 @@ class Round(Waiting):
         reactor = self.connections.reactor
         while True:
             reactor.wait(self, self.deadline)
+            if self.satisfied and not self.attention:
+                return  # satisfied is set once and for all: no lock needed to read it
             with reactor.lock:
                 follow_ups, self.follow_ups = self.follow_ups, []
                 self.attention = False
@@ -341,6 +356,11 @@ class Round(Waiting):
 
     def finish(self) -> RoundResult:
         """What the round learned; replies arriving later are read and dropped."""
+        if self.outstanding <= 0:  # every member has answered or failed: nothing changes now
+            self.finished = True
+            return RoundResult(
+                self.replies, self.successes, self.answered, time.monotonic(), self.why_not
+            )
         with self.connections.reactor.lock:
             self.finished = True
             return RoundResult(
