@@ -44,9 +44,10 @@ NO_REPLY: Any = _NoReply()
 
 class Waiter(Protocol):
     """Whoever waits for slots: told about each slot once it is answered (`deliver`, called with
-    the reactor's lock held)."""
+    the reactor's lock held). What it returns, if anything, is called once that lock is
+    released (work that may block, such as sending a command elsewhere)."""
 
-    def deliver(self, slot: Slot) -> None:
+    def deliver(self, slot: Slot) -> Callable[[], object] | None:
         """Take note of ``slot``'s reply (or failure)."""
 
 

@@ -30,6 +30,7 @@ from .reactor import Reactor, Waiting
 from .resp import pack_command
 from .round import Judge, Round, RoundResult
 from .subscriber import Subscriber
+from .unattended import Unattended
 
 logger = logging.getLogger(__name__)
 
@@ -153,6 +154,12 @@ class NodeGroup:
         lock, which members with ``wait_replicas`` confirm only once replicas acknowledged it.
         """
         connections = self.connections()
+        if not wait:
+            unattended = Unattended(
+                self.nodes, self.node_timeout, connections, script, keys, arguments, judge
+            )
+            unattended.send(keys[0])
+            return RoundResult([], 0, 0, time.monotonic(), [])
         round_ = Round(
             self.nodes,
             self.node_timeout,
@@ -166,8 +173,7 @@ class NodeGroup:
         )
         try:
             round_.start(wait)
-            if wait:
-                round_.collect()
+            round_.collect()
         except BaseException:
             # Interrupted (a soft time limit, a signal) between sending and deciding: callers
             # release what the round may have taken; the connections keep their order.

@@ -19,7 +19,7 @@ import os
 import select
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
 from .channel import Slot
@@ -37,8 +37,9 @@ class Waiting:
         self._wakeup = threading.Lock()
         self._wakeup.acquire()
 
-    def deliver(self, slot: Slot) -> None:
+    def deliver(self, slot: Slot) -> Callable[[], object] | None:
         """Take note of one answered slot (the reactor's lock is held)."""
+        return None
 
     def satisfy(self) -> None:
         """Mark the wait complete and wake its thread."""
@@ -112,11 +113,16 @@ class Reactor:
             os.write(self._wake_reader_write, b"x")
 
     def deliver(self, slots: Iterable[Slot]) -> None:
-        """Hand answered slots to their waiters."""
+        """Hand answered slots to their waiters (then run what they left to do)."""
+        afterwards = []
         with self.lock:
             for slot in slots:
                 if slot.waiter is not None:
-                    slot.waiter.deliver(slot)
+                    then = slot.waiter.deliver(slot)
+                    if then is not None:
+                        afterwards.append(then)
+        for then in afterwards:
+            then()
 
     def wait(self, waiting: Waiting, deadline: float) -> bool:
         """Wait until ``waiting`` is satisfied (True), calls for attention, or ``deadline``

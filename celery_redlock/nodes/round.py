@@ -205,7 +205,7 @@ class Round(Waiting):
     def deliver(self, slot: Slot) -> None:
         call: NodeCall = slot.tag
         if self.calls[call.index] is not call or not all(each.done for each in call.slots):
-            return  # a superseded call, or the rest of its replies is still to come
+            return None  # a superseded call, or the rest of its replies is still to come
         assert call.main is not None
         reply = call.main.reply
         if (
@@ -217,8 +217,9 @@ class Round(Waiting):
             self.follow_ups_left[call.index] -= 1
             self.follow_ups.append((call, call.main))
             self.call_attention()
-            return
+            return None
         self._take(call)
+        return None
 
     def _take(self, call: NodeCall) -> None:
         assert call.main is not None
