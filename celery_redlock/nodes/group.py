@@ -27,7 +27,7 @@ from .channel import Channel, Slot
 from .endpoint import Endpoint
 from .members import LockNode
 from .reactor import Reactor, Waiting
-from .resp import pack_command
+from .resp import pack_arguments, pack_command
 from .round import Judge, Round, RoundResult
 from .subscriber import Subscriber
 from .unattended import Unattended
@@ -109,6 +109,15 @@ class NodeGroup:
         self.node_timeout = node_timeout
         self.quorum = len(self.nodes) // 2 + 1
         self._connections = self._new_connections()
+        self._heads: dict[tuple[str, bool], bytes] = {}
+
+    def script_head(self, script: Script, by_source: bool) -> bytes:
+        """``EVAL <source>`` or ``EVALSHA <sha>`` packed once per script (`pack_arguments`)."""
+        head = self._heads.get((script.name, by_source))
+        if head is None:
+            arguments = ("EVAL", script.source) if by_source else ("EVALSHA", script.sha)
+            head = self._heads[(script.name, by_source)] = pack_arguments(*arguments)
+        return head
 
     def _new_connections(self) -> Connections:
         connections = Connections()
@@ -156,7 +165,14 @@ class NodeGroup:
         connections = self.connections()
         if not wait:
             unattended = Unattended(
-                self.nodes, self.node_timeout, connections, script, keys, arguments, judge
+                self.nodes,
+                self.node_timeout,
+                connections,
+                script,
+                self.script_head(script, by_source=True),
+                keys,
+                arguments,
+                judge,
             )
             unattended.send(keys[0])
             return RoundResult([], 0, 0, time.monotonic(), [])
@@ -165,6 +181,7 @@ class NodeGroup:
             self.node_timeout,
             connections,
             script,
+            self.script_head,
             keys,
             arguments,
             judge,

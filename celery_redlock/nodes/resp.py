@@ -7,16 +7,21 @@ from __future__ import annotations
 from typing import Any
 
 
-def pack_command(*arguments: str | int | bytes) -> bytes:
-    """Encode one command in RESP, the same bytes for every node."""
-    parts = [b"*%d\r\n" % len(arguments)]
+def pack_arguments(*arguments: str | int | bytes) -> bytes:
+    """The arguments of a command as RESP bulk strings, without the array header: a part that
+    several commands share (a script's ``EVALSHA <sha>``) is encoded once (`pack_command`)."""
+    parts = []
     for argument in arguments:
-        if isinstance(argument, str):
-            argument = argument.encode()
-        elif isinstance(argument, int):
-            argument = b"%d" % argument
+        if argument.__class__ is not bytes:
+            argument = (argument if argument.__class__ is str else str(argument)).encode()
         parts.append(b"$%d\r\n%b\r\n" % (len(argument), argument))
     return b"".join(parts)
+
+
+def pack_command(*arguments: str | int | bytes, head: bytes = b"", head_count: int = 0) -> bytes:
+    """Encode one command in RESP, the same bytes for every node. ``head`` holds the first
+    ``head_count`` arguments already packed (`pack_arguments`)."""
+    return b"*%d\r\n" % (head_count + len(arguments)) + head + pack_arguments(*arguments)
 
 
 class ErrorReply:

@@ -81,6 +81,7 @@ class Round(Waiting):
         node_timeout: float,
         connections: RoundConnections,
         script: Script,
+        script_head: Callable[[Script, bool], bytes],
         keys: Sequence[str],
         arguments: Sequence[str | int],
         judge: Judge,
@@ -93,6 +94,7 @@ class Round(Waiting):
         self.quorum = len(nodes) // 2 + 1
         self.connections = connections
         self.script = script
+        self.script_head = script_head
         self.key = keys[0]
         self.call = (len(keys), *keys, *arguments)
         self.judge = judge
@@ -119,12 +121,9 @@ class Round(Waiting):
         """Send to every member that is not backed off. When those are too few for a quorum,
         give the members being probed (in parallel) one node_timeout and take in those that
         answered."""
-        if wait and not self.script.inline:
-            packed = pack_command("EVALSHA", self.script.sha, *self.call)
-        else:
-            # Nobody reads a NOSCRIPT reply of these (clean-ups, or a release whose quorum is
-            # reached before a restarted server answers): send the source, which cannot miss.
-            packed = pack_command("EVAL", self.script.source, *self.call)
+        # Scripts marked inline (releases) carry their source: a restarted server answering a
+        # release after its round decided would send a NOSCRIPT nobody reads.
+        packed = self._packed(by_source=self.script.inline)
         now = time.monotonic()
         self.outstanding = len(self.nodes)  # before any slot is sent: nobody delivers yet
         skipped: list[tuple[int, LockNode, Endpoint | None]] = []
@@ -137,6 +136,9 @@ class Round(Waiting):
         if skipped:
             self._skip(skipped, packed, wait)
         self.deadline = time.monotonic() + self.node_timeout
+
+    def _packed(self, by_source: bool) -> bytes:
+        return pack_command(*self.call, head=self.script_head(self.script, by_source), head_count=2)
 
     def _skip(
         self, skipped: list[tuple[int, LockNode, Endpoint | None]], packed: bytes, wait: bool
@@ -325,7 +327,7 @@ class Round(Waiting):
         node = self.nodes[index]
         if reply.code == "NOSCRIPT":
             # The server lost its script cache (restart, SCRIPT FLUSH): send the source.
-            packed = pack_command("EVAL", self.script.source, *self.call)
+            packed = self._packed(by_source=True)
             self._send(index, node, call.endpoint, packed, asking=False)
             return
         redirect = node.redirect(reply, call.endpoint)
@@ -333,7 +335,7 @@ class Round(Waiting):
             with self.connections.reactor.lock:
                 self._take(call)
             return
-        packed = pack_command("EVALSHA", self.script.sha, *self.call)
+        packed = self._packed(by_source=self.script.inline)
         self._send(index, node, redirect.endpoint, packed, asking=redirect.asking)
 
     def _time_out(self) -> None:

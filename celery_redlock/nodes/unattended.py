@@ -28,6 +28,7 @@ class Unattended:
         node_timeout: float,
         connections: RoundConnections,
         script: Script,
+        head: bytes,
         keys: Sequence[str],
         arguments: Sequence[str | int],
         judge: Judge,
@@ -37,11 +38,12 @@ class Unattended:
         self.connections = connections
         self.script = script
         self.judge = judge
-        # The source, not the SHA: nobody would read a NOSCRIPT in time to send it again.
-        self.packed = pack_command("EVAL", script.source, len(keys), *keys, *arguments)
+        # ``head`` is EVAL and the source, not the SHA: nobody would read a NOSCRIPT in time to
+        # send it again.
+        self.packed = pack_command(len(keys), *keys, *arguments, head=head, head_count=2)
 
     def send(self, key: str) -> None:
-        """Queue the call on every member that is not backed off (routed by ``key``)."""
+        """Send the call to every member that is not backed off (routed by ``key``)."""
         now = time.monotonic()
         for node in self.nodes:
             endpoint = node.endpoint_for(key)
@@ -49,7 +51,12 @@ class Unattended:
                 self._send_to(node, endpoint, self.packed, FOLLOW_UPS_PER_MEMBER)
 
     def _send_to(
-        self, node: LockNode, endpoint: Endpoint, packed: bytes, follow: int, asking: bool = False
+        self,
+        node: LockNode,
+        endpoint: Endpoint,
+        packed: bytes,
+        follow: int,
+        asking: bool = False,
     ) -> None:
         slots = [Slot(self, (node, endpoint, follow))]
         if asking:  # ASKING's own reply comes first, and is of no interest
