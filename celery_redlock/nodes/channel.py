@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import select
+import socket
 import ssl
 import threading
 import time
@@ -117,58 +118,69 @@ class Channel:
         many seconds late (and not waiting to be read) is failed first: the server is hung.
         Returns the slots that failed (those of other callers too): they are answered with
         `NO_REPLY`, and the server is backed off."""
-        with self.lock:
-            now = time.monotonic()
-            pending = self._pending
-            if self.socket is not None:
-                if pending:
-                    if (
-                        late_after is not None
-                        and now - pending[0].sent_at > late_after
-                        and not self._closed_by_server()
-                    ):
-                        failed = self._fail_locked(f"no reply within {late_after}s")
-                        for slot in slots:  # not queued behind a hung server
-                            slot.failure, slot.done = self.endpoint.last_error, True
-                        return failed + list(slots)
-                elif now - self._last_used > IDLE_CHECK_SECONDS and self._closed_by_server():
-                    self._close_locked()  # a restarted server: this command must not go to waste
-            if self.socket is None:
-                try:
-                    self._connect_locked()
-                except (RedisClientError, OSError) as error:
-                    return self._fail_slots(slots, error)
-                if self.on_connect is not None:
-                    self.on_connect()
-            self._last_used = now
-            for slot in slots:
-                slot.sent_at = now
-                slot.channel = self
-            pending.extend(slots)
-            if self._writing:
-                self._outbox.append(payload)  # the thread writing now takes it along
-                return []
-            self._writing = True
-            if self._outbox:  # the greeting of a new connection goes first
-                self._outbox.append(payload)
-                payload = b"".join(self._outbox)
-                self._outbox.clear()
-            sock, generation = self.socket, self.generation
-        while True:
-            try:
-                sock.sendall(payload)
-            except BaseException as error:
-                # Part of the data may have gone out: the order of replies is in doubt.
-                failed = self.fail(generation, f"write failed: {describe_failure(error)}")
-                if not isinstance(error, (OSError, RedisClientError)):
-                    raise
-                return failed
+        queued = False
+        generation = -1
+        try:
             with self.lock:
-                if not self._outbox or generation != self.generation:
-                    self._writing = False
+                now = time.monotonic()
+                pending = self._pending
+                if self.socket is not None:
+                    if pending:
+                        if (
+                            late_after is not None
+                            and now - pending[0].sent_at > late_after
+                            and not self._closed_by_server()
+                        ):
+                            failed = self._fail_locked(f"no reply within {late_after}s")
+                            for slot in slots:  # not queued behind a hung server
+                                slot.failure, slot.done = self.endpoint.last_error, True
+                            return failed + list(slots)
+                    elif now - self._last_used > IDLE_CHECK_SECONDS and self._closed_by_server():
+                        self._close_locked()  # a restarted server: the command must not be lost
+                if self.socket is None:
+                    try:
+                        self._connect_locked()
+                    except (RedisClientError, OSError) as error:
+                        return self._fail_slots(slots, error)
+                    if self.on_connect is not None:
+                        self.on_connect()
+                self._last_used = now
+                generation = self.generation
+                queued = True  # from here on, an interruption leaves the order in doubt
+                for slot in slots:
+                    slot.sent_at = now
+                    slot.channel = self
+                pending.extend(slots)
+                if self._writing:
+                    self._outbox.append(payload)  # the thread writing now takes it along
                     return []
-                payload = b"".join(self._outbox)
-                self._outbox.clear()
+                self._writing = True
+                if self._outbox:  # the greeting of a new connection goes first
+                    self._outbox.append(payload)
+                    payload = b"".join(self._outbox)
+                    self._outbox.clear()
+                sock = self.socket
+            while True:
+                sock.sendall(payload)
+                with self.lock:
+                    if not self._outbox or generation != self.generation:
+                        self._writing = False
+                        return []
+                    payload = b"".join(self._outbox)
+                    self._outbox.clear()
+        except BaseException as error:
+            if not queued:
+                raise
+            # A write that failed, or anything that cut the queueing or the writing short (a
+            # signal handler raising: a soft time limit, Ctrl-C): part of the command may have
+            # gone out, or none of it with its slots queued. The connection fails; only a
+            # failed write is the server's fault.
+            failing = isinstance(error, (OSError, RedisClientError))
+            reason = f"write failed: {describe_failure(error)}" if failing else "interrupted"
+            failed = self.fail(generation, reason, back_off=failing)
+            if not failing:
+                raise
+            return failed
 
     def _connect_locked(self) -> None:
         sock = self.endpoint.open_socket()
@@ -188,42 +200,54 @@ class Channel:
 
     def _closed_by_server(self) -> bool:
         """True if the connection has something to read. From an idle connection that can only
-        be the end of the stream (the server restarted or dropped idle clients)."""
+        be the end of the stream (the server restarted or dropped idle clients).
+
+        A plain socket is peeked at (non-blocking), not polled: under eventlet a second poll of
+        a descriptor the reader polls is an error."""
+        sock = self.socket
+        if isinstance(sock, ssl.SSLSocket):
+            if sock.pending():
+                return True
+            try:
+                readable, _, _ = select.select([sock], [], [], 0)
+            except (OSError, ValueError):
+                return True
+            return bool(readable)
         try:
-            readable, _, _ = select.select([self.socket], [], [], 0)
-        except (OSError, ValueError):
+            sock.recv(1, socket.MSG_PEEK)  # data, or b"" at the end of the stream
+        except BlockingIOError:
+            return False
+        except OSError:
             return True
-        return bool(readable)
+        return True
 
     # -- reading (one thread at a time: the reactor's reader) --------------------------------
 
-    def read(self, descriptor: int) -> list[Slot]:
-        """Read what has arrived (called once ``descriptor`` is readable) and return the slots
-        it answered, or that failed with the connection."""
+    def read(self, descriptor: int, answered: list[Slot]) -> None:
+        """Read what has arrived (called once ``descriptor`` is readable) and add to
+        ``answered`` the slots it answered, or that failed with the connection — as it goes, so
+        that the caller has them even if the read is cut short. Anything that cuts the read
+        short fails the connection: bytes read and not parsed would shift every later reply."""
         with self.lock:
             sock, generation = self.socket, self.generation
         if sock is None or sock.fileno() != descriptor:
-            return []  # closed, or reopened on another descriptor, since the poll
+            return  # closed, or reopened on another descriptor, since the poll
+        count = len(answered)
         try:
-            data = sock.recv(READ_SIZE)
-            if isinstance(sock, ssl.SSLSocket):
-                while sock.pending():  # decrypted bytes poll() cannot see
-                    data += sock.recv(READ_SIZE)
-        except (BlockingIOError, ssl.SSLWantReadError):
-            return []  # woken early, or only part of a TLS record arrived
-        except BaseException as error:
-            failed = self.fail(generation, f"read failed: {describe_failure(error)}")
-            if not isinstance(error, (OSError, RedisClientError)):
-                raise
-            return failed
-        if not data:
-            return self.fail(generation, "the server closed the connection")
-        answered: list[Slot] = []
-        with self.lock:
-            self._last_used = time.monotonic()
-            if generation != self.generation:
-                return []  # the connection failed meanwhile; its slots were answered then
             try:
+                data = sock.recv(READ_SIZE)
+                if isinstance(sock, ssl.SSLSocket):
+                    while sock.pending():  # decrypted bytes poll() cannot see
+                        data += sock.recv(READ_SIZE)
+            except (BlockingIOError, ssl.SSLWantReadError):
+                return  # woken early, or only part of a TLS record arrived
+            if not data:
+                answered += self.fail(generation, "the server closed the connection")
+                return
+            with self.lock:
+                if generation != self.generation:
+                    return  # the connection failed meanwhile; its slots were answered then
+                self._last_used = time.monotonic()
                 self._parser.feed(data)
                 while True:
                     reply = self._parser.next_reply()
@@ -235,23 +259,26 @@ class Channel:
                     slot.reply = reply
                     slot.done = True
                     answered.append(slot)
-            except BaseException as error:
-                answered += self._fail_locked(f"unreadable reply: {error}")
-                if not isinstance(error, ProtocolError):
-                    raise
-        if any(not isinstance(slot.reply, ErrorReply) for slot in answered):
+        except BaseException as error:
+            failing = isinstance(error, (OSError, RedisClientError, ProtocolError))
+            reason = f"read failed: {describe_failure(error)}" if failing else "interrupted"
+            answered += self.fail(generation, reason, back_off=failing)
+            if not failing:
+                raise
+            return
+        if any(not isinstance(slot.reply, ErrorReply) for slot in answered[count:]):
             self.endpoint.mark_answered()
-        return answered
 
     # -- failing -----------------------------------------------------------------------------
 
-    def fail(self, generation: int, reason: object) -> list[Slot]:
+    def fail(self, generation: int, reason: object, back_off: bool = True) -> list[Slot]:
         """Close the connection of ``generation`` (if it is still the current one), back the
-        server off, and answer every slot waiting on it with `NO_REPLY`; returns those slots."""
+        server off (unless the fault was not the server's), and answer every slot waiting on it
+        with `NO_REPLY`; returns those slots."""
         with self.lock:
             if generation != self.generation:
                 return []
-            return self._fail_locked(reason)
+            return self._fail_locked(reason, back_off)
 
     def fail_if_late(self, now: float, timeout: float) -> list[Slot]:
         """Fail the connection if its oldest owed reply is more than ``timeout`` seconds late
@@ -275,11 +302,12 @@ class Channel:
             slot.done = True
         return slots
 
-    def _fail_locked(self, reason: object) -> list[Slot]:
+    def _fail_locked(self, reason: object, back_off: bool = True) -> list[Slot]:
         slots = list(self._pending)
         self._close_locked()
-        self.endpoint.mark_down(time.monotonic(), reason)
-        why = self.endpoint.last_error
+        if back_off:
+            self.endpoint.mark_down(time.monotonic(), reason)
+        why = self.endpoint.last_error if back_off else str(reason)
         for slot in slots:
             slot.failure = why
             slot.done = True

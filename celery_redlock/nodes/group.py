@@ -134,6 +134,9 @@ class NodeGroup:
         """This process's connections (new ones in a forked child)."""
         connections = self._connections
         if connections.pid != os.getpid():
+            # A forked child: the parent's sockets are closed here (the parent keeps its own),
+            # without any lock another thread may have held at the fork.
+            connections.dispose()
             connections = self._connections = self._new_connections()
         return connections
 

@@ -84,8 +84,8 @@ class Readable(Protocol):
     def fileno(self) -> int:
         """Its descriptor, -1 while closed."""
 
-    def read(self, descriptor: int) -> list[Slot]:
-        """Read what arrived on ``descriptor``; the slots it answered."""
+    def read(self, descriptor: int, answered: list[Slot]) -> None:
+        """Read what arrived on ``descriptor``, adding the slots it answered to ``answered``."""
 
 
 class Reactor:
@@ -126,33 +126,42 @@ class Reactor:
 
     def wait(self, waiting: Waiting, deadline: float) -> bool:
         """Wait until ``waiting`` is satisfied (True), calls for attention, or ``deadline``
-        (``time.monotonic()``) passes, reading for everybody while nobody else does."""
-        while True:
-            with self.lock:
-                now = time.monotonic()
-                if waiting.satisfied or waiting.attention or now >= deadline:
-                    if waiting in self._waiting:
-                        self._waiting.remove(waiting)
-                    self._hand_over_locked()  # it may have been woken to take over reading
-                    return waiting.satisfied
-                reading = not self._reading
-                if reading:
-                    self._reading = True
-                    if waiting in self._waiting:
-                        self._waiting.remove(waiting)
-                else:
-                    waiting.asleep = True
-                    if waiting not in self._waiting:
-                        self._waiting.append(waiting)
-            if reading:
-                try:
-                    self._read_until(waiting, deadline)
-                finally:
-                    with self.lock:
+        (``time.monotonic()``) passes, reading for everybody while nobody else does.
+
+        Safe against an exception raised at any point by a signal handler (a soft time limit):
+        the reading role is always given back, and the waiter taken off the list, on the way
+        out, where the reading is handed over once."""
+        reading = False
+        try:
+            while True:
+                with self.lock:
+                    if reading:  # back from reading: the role is free again
                         self._reading = False
-                        self._hand_over_locked()
-            else:
-                waiting.sleep(deadline - now)
+                        reading = False
+                    now = time.monotonic()
+                    if waiting.satisfied or waiting.attention or now >= deadline:
+                        return waiting.satisfied
+                    if not self._reading:
+                        reading = True  # first: an interruption in between leaves no role held
+                        self._reading = True
+                        if waiting in self._waiting:
+                            self._waiting.remove(waiting)
+                    else:
+                        waiting.asleep = True
+                        if waiting not in self._waiting:
+                            self._waiting.append(waiting)
+                if reading:
+                    self._read_until(waiting, deadline)
+                else:
+                    waiting.sleep(deadline - now)
+        finally:
+            with self.lock:
+                if reading:
+                    self._reading = False
+                waiting.asleep = False
+                if waiting in self._waiting:
+                    self._waiting.remove(waiting)
+                self._hand_over_locked()  # it may have been woken to take over reading
 
     def _hand_over_locked(self) -> None:
         """With nobody reading, wake one waiting thread to take over (it may find itself done
@@ -175,14 +184,16 @@ class Reactor:
             by_descriptor.pop(-1, None)
             ready = wait_readable([wake_descriptor, *by_descriptor], deadline - now)
             answered: list[Slot] = []
-            for descriptor in ready:
-                if descriptor == wake_descriptor:
-                    with contextlib.suppress(OSError):
-                        os.read(wake_descriptor, 4096)
-                    continue
-                answered += by_descriptor[descriptor].read(descriptor)
-            if answered:
-                self.deliver(answered)
+            try:
+                for descriptor in ready:
+                    if descriptor == wake_descriptor:
+                        with contextlib.suppress(OSError):
+                            os.read(wake_descriptor, 4096)
+                        continue
+                    by_descriptor[descriptor].read(descriptor, answered)
+            finally:  # even when a signal handler raises: answered slots reach their waiters
+                if answered:
+                    self.deliver(answered)
 
     def close(self) -> None:
         """Close the wake-up pipe (the channels are closed by their owners)."""

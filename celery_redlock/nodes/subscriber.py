@@ -88,29 +88,33 @@ class Subscriber:
                 except OSError:
                     self._close_locked()
 
-    def read(self, descriptor: int) -> list[Slot]:
-        """Read what arrived; a slot per listener to tell (see `Listening`)."""
+    def read(self, descriptor: int, told: list[Slot]) -> None:
+        """Read what arrived; add to ``told`` a slot per listener to tell (see `Listening`)."""
         sock = self.socket
         if sock is None or sock.fileno() != descriptor:
-            return []
+            return
         try:
             data = sock.recv(READ_SIZE)
             if isinstance(sock, ssl.SSLSocket):
                 while sock.pending():
                     data += sock.recv(READ_SIZE)
+        except (BlockingIOError, ssl.SSLWantReadError):
+            return
         except (OSError, RedisClientError):
             data = b""
-        told: list[Slot] = []
         with self.lock:
             if not data:
-                return self._lose_locked()
+                told += self._lose_locked()
+                return
             try:
                 self._parser.feed(data)
                 while (message := self._parser.next_reply()) is not INCOMPLETE:
                     told += self._notifications(message)
             except ProtocolError:
-                return self._lose_locked()
-        return told
+                told += self._lose_locked()
+            except BaseException:
+                told += self._lose_locked()  # interrupted: what was read is in doubt
+                raise
 
     def _notifications(self, message: Any) -> list[Slot]:
         if not isinstance(message, list) or len(message) != 3:
