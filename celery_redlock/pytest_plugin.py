@@ -77,7 +77,7 @@ import gc
 import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -113,8 +113,32 @@ _ABSENT = object()
 _harness_runtimes: weakref.WeakKeyDictionary[Any, AppRuntime] = weakref.WeakKeyDictionary()
 
 
-class WorkerFactory(Protocol):
-    """What ``redlock_worker_factory`` gives a test: call it to start one worker subprocess."""
+class WorkerFactory:
+    """What ``redlock_worker_factory`` gives a test: call it to start one worker subprocess
+    (`celery_redlock.testing.CeleryWorker`) given the harness settings; :meth:`kill_all` kills
+    every worker it started, pool children included (the fixture calls it when the test ends).
+
+    Args:
+        config: the pytest configuration (the ``redlock_celery_app`` setting, ``pythonpath``,
+            the root directory the workers run in).
+        app: the app under test, which waits for the workers' ``ping`` replies.
+        settings: the Celery settings every worker is given (``redlock_celery_config``).
+        temporary_paths: where the directory of the workers' logs is made, on first use.
+    """
+
+    def __init__(
+        self,
+        config: pytest.Config,
+        app: Celery,
+        settings: Mapping[str, Any],
+        temporary_paths: pytest.TempPathFactory,
+    ) -> None:
+        self._config = config
+        self._app = app
+        self._settings = settings
+        self._temporary_paths = temporary_paths
+        self._log_directory: Path | None = None
+        self._started: list[CeleryWorker] = []
 
     def __call__(
         self,
@@ -135,7 +159,44 @@ class WorkerFactory(Protocol):
 
         ``app`` defaults to the ``redlock_celery_app`` setting; ``arguments`` are more
         ``celery worker`` options; ``environment`` adds variables.
+
+        Raises:
+            pytest.UsageError: no ``app`` and no ``redlock_celery_app`` setting.
+            celery_redlock.testing.WorkerNotReadyError: no ``ping`` answer within ``timeout``.
+            celery_redlock.testing.ProcessExitedError: the worker exited meanwhile.
         """
+        from celery_redlock.testing import CeleryWorker
+
+        target = app or str(self._config.getini(APP_OPTION)).strip()
+        if not target:
+            raise pytest.UsageError(
+                f"redlock_worker_factory needs the app the worker loads: set {APP_OPTION} "
+                "(for example `redlock_celery_app = proj.celery:app` in pytest.ini) or pass app="
+            )
+        if self._log_directory is None:
+            self._log_directory = self._temporary_paths.mktemp("redlock-workers")
+        worker = CeleryWorker(
+            target,
+            name,
+            pool=pool,
+            concurrency=concurrency,
+            queues=queues,
+            arguments=arguments,
+            settings=self._settings,
+            environment=environment,
+            python_path=_configured_python_path(self._config),
+            working_directory=self._config.rootpath,
+            log_path=self._log_directory / f"{name}.log",
+        )
+        self._started.append(worker.start())
+        if wait:
+            worker.wait_ready(self._app, timeout)
+        return worker
+
+    def kill_all(self) -> None:
+        """Kill every worker started (last started first), pool children included."""
+        for worker in reversed(self._started):
+            worker.kill()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -359,55 +420,13 @@ def redlock_worker_factory(
 ) -> Iterator[WorkerFactory]:
     """Starts real ``celery worker`` subprocesses on the harness servers; kills them all (pool
     children included) when the test ends."""
-    from celery_redlock.testing import CeleryWorker
-
-    config = request.config
-    started: list[CeleryWorker] = []
-    log_directory: list[Path] = []
-
-    def start(
-        name: str = "worker",
-        *,
-        app: str | None = None,
-        pool: str = "prefork",
-        concurrency: int = 2,
-        queues: Sequence[str] = (),
-        arguments: Sequence[str] = (),
-        environment: Mapping[str, str] | None = None,
-        wait: bool = True,
-        timeout: float = 60.0,
-    ) -> CeleryWorker:
-        target = app or str(config.getini(APP_OPTION)).strip()
-        if not target:
-            raise pytest.UsageError(
-                f"redlock_worker_factory needs the app the worker loads: set {APP_OPTION} "
-                "(for example `redlock_celery_app = proj.celery:app` in pytest.ini) or pass app="
-            )
-        if not log_directory:
-            log_directory.append(tmp_path_factory.mktemp("redlock-workers"))
-        worker = CeleryWorker(
-            target,
-            name,
-            pool=pool,
-            concurrency=concurrency,
-            queues=queues,
-            arguments=arguments,
-            settings=redlock_celery_config,
-            environment=environment,
-            python_path=_configured_python_path(config),
-            working_directory=config.rootpath,
-            log_path=log_directory[0] / f"{name}.log",
-        )
-        started.append(worker.start())
-        if wait:
-            worker.wait_ready(redlock_celery_app, timeout)
-        return worker
-
+    factory = WorkerFactory(
+        request.config, redlock_celery_app, redlock_celery_config, tmp_path_factory
+    )
     try:
-        yield start
+        yield factory
     finally:
-        for worker in reversed(started):
-            worker.kill()
+        factory.kill_all()
 
 
 def _configured_python_path(config: pytest.Config) -> list[Path]:

@@ -20,19 +20,10 @@ from ..errors import QuorumUnavailable, RedlockError
 from ..owner import Owner
 from ..runtime import AppRuntime
 from ..task import SingletonTask
+from . import records
 from .locks import singleton_tasks
 from .reading import FoundLock, LockReader
-from .records import (
-    DEFAULT_TIMEOUT,
-    FREED,
-    GONE,
-    KEPT,
-    PROOF_NOT_RUNNING,
-    PROOF_PROCESS_GONE,
-    PROOF_SILENT,
-    WOULD_FREE,
-    ReapResult,
-)
+from .records import DEFAULT_TIMEOUT, ReapResult
 from .workers import WorkerState, inspect_workers, worker_node_name, worker_node_names
 
 logger = logging.getLogger(__name__)
@@ -74,7 +65,7 @@ class Verdict:
 
 def kept(reason: str) -> Verdict:
     """The verdict that keeps a lock, for ``reason``."""
-    return Verdict(KEPT, reason)
+    return Verdict(records.KEPT, reason)
 
 
 @dataclass
@@ -213,7 +204,9 @@ def first_look(
     local = check_local_processes and owner.host == socket.gethostname()
     if local and not process_exists(owner.pid):
         return Verdict(
-            FREED, f"process {owner.pid} no longer exists on this host", PROOF_PROCESS_GONE
+            records.FREED,
+            f"process {owner.pid} no longer exists on this host",
+            records.PROOF_PROCESS_GONE,
         )
     watch.extends = extends
     return None
@@ -255,17 +248,17 @@ def worker_verdict(watch: Watch, workers: Mapping[str, WorkerState]) -> Verdict 
         return kept(f"worker {owner.worker} answers and is running task {owner.id}")
     if owner.pid == state.pid:
         return Verdict(
-            FREED,
+            records.FREED,
             f"worker {owner.worker} answers and is not running the task, in the holder's own "
             f"process {owner.pid}",
-            PROOF_NOT_RUNNING,
+            records.PROOF_NOT_RUNNING,
         )
     if owner.pid not in state.pool_processes:
         return Verdict(
-            FREED,
+            records.FREED,
             f"worker {owner.worker} answers, is not running the task, and the holder's process "
             f"{owner.pid} is none of its processes",
-            PROOF_NOT_RUNNING,
+            records.PROOF_NOT_RUNNING,
         )
     return None  # still one of its pool processes: watch that the lock is not extended
 
@@ -297,19 +290,19 @@ def watch_for_grace(
         if watch.verdict is None:
             if watch.worker_answered:
                 why = f"worker {watch.owner.worker} answers and is not running the task"
-                proof = PROOF_NOT_RUNNING
+                proof = records.PROOF_NOT_RUNNING
             else:
                 why = f"worker {watch.owner.worker} did not answer"
                 why = why if worker_node_name(watch.owner) else "no worker node name to ask"
-                proof = PROOF_SILENT
+                proof = records.PROOF_SILENT
             reason = f"{why}, and the lock was not extended for {watched:.1f}s"
-            watch.verdict = Verdict(FREED, reason, proof)
+            watch.verdict = Verdict(records.FREED, reason, proof)
 
 
 def look_again(watch: Watch, now: FoundLock | None, read_at: float) -> Verdict | None:
     """Compare a new read of the lock with the last one: None while nothing changed."""
     if now is None or not now.record.held or now.value != watch.found.value:
-        return Verdict(GONE, "released, expired or taken by another holder while watched")
+        return Verdict(records.GONE, "released, expired or taken by another holder while watched")
     for node, (milliseconds, when) in pttls_holding(now, watch.found, read_at).items():
         last = watch.pttls.get(node)
         # Without an extension the pttl falls as fast as time passes; any rise is an extension.
@@ -325,19 +318,21 @@ def settle(reader: LockReader, watch: Watch, dry_run: bool) -> ReapResult:
     verdict = watch.verdict
     assert verdict is not None
     record = watch.found.record
-    if verdict.action != FREED:
+    if verdict.action != records.FREED:
         return ReapResult(record, verdict.action, verdict.proof, verdict.reason)
     if dry_run:
-        return ReapResult(record, WOULD_FREE, verdict.proof, verdict.reason)
+        return ReapResult(record, records.WOULD_FREE, verdict.proof, verdict.reason)
     # Deleted only where the key still holds this very value (token): a new holder is untouched.
     freed = reader.redlock.release_stored(record.key, watch.found.value)
     if not freed:
-        return ReapResult(record, GONE, verdict.proof, f"{verdict.reason}; released meanwhile")
+        return ReapResult(
+            record, records.GONE, verdict.proof, f"{verdict.reason}; released meanwhile"
+        )
     if record.nodes_holding - freed >= reader.quorum:
         reason = f"{verdict.reason}; deleted on {freed} node(s) only, still held"
-        return ReapResult(record, KEPT, verdict.proof, reason, freed)
+        return ReapResult(record, records.KEPT, verdict.proof, reason, freed)
     logger.warning("reaped lock %s of %s: %s", record.key, record.describe(), verdict.reason)
-    return ReapResult(record, FREED, verdict.proof, verdict.reason, freed)
+    return ReapResult(record, records.FREED, verdict.proof, verdict.reason, freed)
 
 
 # -- the reaper timer ------------------------------------------------------------------------

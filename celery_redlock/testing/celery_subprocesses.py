@@ -27,9 +27,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .processes import ManagedProcess
+from .processes import ManagedProcess, ProcessOptions
 
 if TYPE_CHECKING:
+    from typing import Unpack
+
     from celery import Celery
 
 __all__ = [
@@ -88,7 +90,7 @@ class CeleryProcess(ManagedProcess):
             ``"redlock_urls"``, JSON values. They go on the command line after ``--``; the
             ``broker_url`` and ``result_backend`` values also become the process's
             ``CELERY_BROKER_URL`` and ``CELERY_RESULT_BACKEND``, which Celery reads first.
-        **options: the options of :class:`ManagedProcess` (``environment``,
+        **options: the `ProcessOptions` of :class:`ManagedProcess` (``environment``,
             ``inherit_environment``, ``python_path``, ``working_directory``, ``log_path``,
             ``label``; the label defaults to the sub-command).
 
@@ -102,34 +104,25 @@ class CeleryProcess(ManagedProcess):
         arguments: Sequence[str],
         *,
         settings: Mapping[str, Any] | None = None,
-        environment: Mapping[str, str] | None = None,
-        inherit_environment: bool = True,
-        python_path: Sequence[str | os.PathLike[str]] = (),
-        working_directory: str | os.PathLike[str] | None = None,
-        log_path: str | os.PathLike[str] | None = None,
-        label: str | None = None,
+        **options: Unpack[ProcessOptions],
     ) -> None:
         if isinstance(arguments, str):
             raise TypeError("arguments must be a sequence of arguments, not one string")
         self._app = app
         self._arguments = tuple(arguments)
         command = [sys.executable, "-m", "celery", "-A", app, *self._arguments]
-        variables = dict(environment or {})
+        variables = dict(options.get("environment") or {})
         if settings:
             command += ["--", *_command_line_settings(settings)]
             for setting, variable in _ENVIRONMENT_OF_SETTINGS.items():
                 value = settings.get(setting)
                 if isinstance(value, str):
                     variables[variable] = value
-        super().__init__(
-            command,
-            environment=variables,
-            inherit_environment=inherit_environment,
-            python_path=python_path,
-            working_directory=working_directory,
-            log_path=log_path,
-            label=label or (self._arguments[0] if self._arguments else "celery"),
+        options["environment"] = variables
+        options["label"] = options.get("label") or (
+            self._arguments[0] if self._arguments else "celery"
         )
+        super().__init__(command, **options)
 
     @property
     def app(self) -> str:
@@ -159,7 +152,8 @@ class CeleryWorker(CeleryProcess):
         queues: queues to consume (``-Q``); by default the app's.
         arguments: more ``celery worker`` options, placed after these.
         settings: Celery settings applied on top of the app's (see :class:`CeleryProcess`).
-        **options: the options of :class:`ManagedProcess`; the label is the node name.
+        **options: the `ProcessOptions` of :class:`ManagedProcess`; the label defaults to the
+            node name.
     """
 
     def __init__(
@@ -173,12 +167,7 @@ class CeleryWorker(CeleryProcess):
         queues: Sequence[str] = (),
         arguments: Sequence[str] = (),
         settings: Mapping[str, Any] | None = None,
-        environment: Mapping[str, str] | None = None,
-        inherit_environment: bool = True,
-        python_path: Sequence[str | os.PathLike[str]] = (),
-        working_directory: str | os.PathLike[str] | None = None,
-        log_path: str | os.PathLike[str] | None = None,
-        label: str | None = None,
+        **options: Unpack[ProcessOptions],
     ) -> None:
         if isinstance(queues, str) or isinstance(arguments, str):
             raise TypeError("queues and arguments must be sequences, not one string")
@@ -199,17 +188,8 @@ class CeleryWorker(CeleryProcess):
         ]
         if queues:
             worker_arguments += ["-Q", ",".join(queues)]
-        super().__init__(
-            app,
-            [*worker_arguments, *arguments],
-            settings=settings,
-            environment=environment,
-            inherit_environment=inherit_environment,
-            python_path=python_path,
-            working_directory=working_directory,
-            log_path=log_path,
-            label=label or self._hostname,
-        )
+        options["label"] = options.get("label") or self._hostname
+        super().__init__(app, [*worker_arguments, *arguments], settings=settings, **options)
 
     @property
     def hostname(self) -> str:
@@ -257,7 +237,8 @@ class CeleryBeat(CeleryProcess):
         loglevel: ``--loglevel``.
         arguments: more ``celery beat`` options, placed after these (``-S`` for a scheduler).
         settings: Celery settings applied on top of the app's (see :class:`CeleryProcess`).
-        **options: the options of :class:`ManagedProcess`; the label is ``beat``.
+        **options: the `ProcessOptions` of :class:`ManagedProcess`; the label defaults to
+            ``beat``.
     """
 
     def __init__(
@@ -268,12 +249,7 @@ class CeleryBeat(CeleryProcess):
         loglevel: str = "INFO",
         arguments: Sequence[str] = (),
         settings: Mapping[str, Any] | None = None,
-        environment: Mapping[str, str] | None = None,
-        inherit_environment: bool = True,
-        python_path: Sequence[str | os.PathLike[str]] = (),
-        working_directory: str | os.PathLike[str] | None = None,
-        log_path: str | os.PathLike[str] | None = None,
-        label: str | None = None,
+        **options: Unpack[ProcessOptions],
     ) -> None:
         if isinstance(arguments, str):
             raise TypeError("arguments must be a sequence of arguments, not one string")
@@ -281,12 +257,7 @@ class CeleryBeat(CeleryProcess):
             app,
             ["beat", "-s", os.fspath(schedule_file), "--loglevel", loglevel, *arguments],
             settings=settings,
-            environment=environment,
-            inherit_environment=inherit_environment,
-            python_path=python_path,
-            working_directory=working_directory,
-            log_path=log_path,
-            label=label,
+            **options,
         )
 
 

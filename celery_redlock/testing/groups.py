@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from types import TracebackType
 from typing import TypeVar
 
 from .processes import stop_processes
 from .redis_servers import RedisServer
+from .resources import ClosingResource
 from .tls import TLSCertificates
 
 __all__ = ["RedisNodes", "ServerGroup"]
@@ -17,7 +17,7 @@ __all__ = ["RedisNodes", "ServerGroup"]
 _GroupT = TypeVar("_GroupT", bound="ServerGroup")
 
 
-class ServerGroup:
+class ServerGroup(ClosingResource):
     """Servers that start and stop together. Nothing starts in the constructor: :meth:`start`
     (or a ``with`` block) starts every process, :meth:`stop_all` (or leaving the block) stops
     them all; each is killed at interpreter exit otherwise.
@@ -72,6 +72,10 @@ class ServerGroup:
         """
         stop_processes(self.processes, timeout)
 
+    def close(self) -> None:
+        """Stop every process (:meth:`stop_all`), as leaving a ``with`` block does."""
+        self.stop_all()
+
     def __getitem__(self, index: int) -> RedisServer:
         """The server at ``index``."""
         return self._servers[index]
@@ -87,15 +91,6 @@ class ServerGroup:
     def __enter__(self: _GroupT) -> _GroupT:
         """Start the group and return it."""
         return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc_value: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        """Stop every process."""
-        self.stop_all()
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {list(self._servers)!r}>"

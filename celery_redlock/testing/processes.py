@@ -17,15 +17,19 @@ import subprocess
 import tempfile
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from types import TracebackType
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypedDict, TypeVar
 
 from .exits import wait_for_exits
+from .resources import ClosingResource
+
+if TYPE_CHECKING:
+    from typing import Unpack
 
 __all__ = [
     "LOG_TAIL_LINES",
     "ManagedProcess",
     "ProcessExitedError",
+    "ProcessOptions",
     "celery_processes",
     "stop_processes",
 ]
@@ -42,7 +46,29 @@ class ProcessExitedError(RuntimeError):
     """A process expected to run has exited; the message ends with the end of its output."""
 
 
-class ManagedProcess:
+class ProcessOptions(TypedDict, total=False):
+    """The options every `ManagedProcess` takes as keywords, declared once: the kinds of process
+    that pass them on (`CeleryProcess`, `CeleryWorker`, `CeleryBeat`) take them as
+    ``**options``. Each may be left out."""
+
+    environment: Mapping[str, str] | None
+    """Variables for the process, added to the caller's environment (or, with
+    ``inherit_environment=False``, the whole environment); by default none."""
+    inherit_environment: bool
+    """Whether the process starts from the caller's environment; by default it does."""
+    python_path: Sequence[str | os.PathLike[str]]
+    """Directories put first on the process's ``PYTHONPATH``; by default none."""
+    working_directory: str | os.PathLike[str] | None
+    """The process's working directory; by default the caller's."""
+    log_path: str | os.PathLike[str] | None
+    """The file the process's standard output and error are appended to; by default a new
+    temporary file (`ManagedProcess.remove_log` deletes it)."""
+    label: str | None
+    """A short name for messages; by default the program's name (or what the kind of process
+    says)."""
+
+
+class ManagedProcess(ClosingResource):
     """One command run as a child process, its output appended to a log file.
 
     The constructor starts nothing: call :meth:`start`, or use the instance as a context manager,
@@ -63,38 +89,38 @@ class ManagedProcess:
 
     Args:
         command: the program and its arguments.
-        environment: variables for the process, added to the caller's environment (or, with
-            ``inherit_environment=False``, the whole environment).
-        inherit_environment: whether the process starts from the caller's environment.
-        python_path: directories put first on the process's ``PYTHONPATH``.
-        working_directory: the process's working directory; by default the caller's.
-        log_path: the file the process's standard output and error are appended to; by default
-            a new temporary file (:meth:`remove_log` deletes it).
-        label: a short name for messages; by default the program's name.
         own_process_group: whether the process gets a session and process group of its own.
+        **options: the `ProcessOptions`: ``environment``, ``inherit_environment``,
+            ``python_path``, ``working_directory``, ``log_path``, ``label``.
+
+    Raises:
+        TypeError: a keyword that is not one of the `ProcessOptions`.
     """
 
     def __init__(
         self,
         command: Sequence[str],
         *,
-        environment: Mapping[str, str] | None = None,
-        inherit_environment: bool = True,
-        python_path: Sequence[str | os.PathLike[str]] = (),
-        working_directory: str | os.PathLike[str] | None = None,
-        log_path: str | os.PathLike[str] | None = None,
-        label: str | None = None,
         own_process_group: bool = True,
+        **options: Unpack[ProcessOptions],
     ) -> None:
+        unknown = options.keys() - ProcessOptions.__optional_keys__
+        if unknown:
+            raise TypeError(
+                f"{type(self).__name__}() got unexpected keyword arguments: "
+                f"{', '.join(sorted(unknown))}"
+            )
         self._command = _checked_command(command)
-        self._environment = dict(environment or {})
-        self._inherit_environment = inherit_environment
-        self._python_path = tuple(os.fspath(entry) for entry in python_path)
+        self._environment = dict(options.get("environment") or {})
+        self._inherit_environment = options.get("inherit_environment", True)
+        self._python_path = tuple(os.fspath(entry) for entry in options.get("python_path", ()))
+        working_directory = options.get("working_directory")
         self._working_directory = (
             None if working_directory is None else os.fspath(working_directory)
         )
-        self._label = label or Path(self._command[0]).name
+        self._label = options.get("label") or Path(self._command[0]).name
         self._own_process_group = own_process_group
+        log_path = options.get("log_path")
         if log_path is None:
             file_label = "".join(c if c.isalnum() else "-" for c in self._label)
             handle, name = tempfile.mkstemp(prefix=f"celery-redlock-{file_label}-", suffix=".log")
@@ -372,13 +398,9 @@ class ManagedProcess:
             self.start()
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc_value: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        """Kill the process (its whole group when it has one of its own)."""
+    def close(self) -> None:
+        """Kill the process (its whole group when it has one of its own), as leaving a ``with``
+        block does; see :meth:`kill`."""
         self.kill()
 
     def __repr__(self) -> str:

@@ -18,7 +18,6 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from types import TracebackType
 from typing import Any, TypeVar
 from urllib.parse import quote
 
@@ -301,13 +300,9 @@ class RedisServer(ManagedProcess):
             shutil.rmtree(self._directory, ignore_errors=True)
             self._directory = None
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc_value: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        """Stop the server gracefully."""
+    def close(self) -> None:
+        """Stop the server gracefully (:meth:`~ManagedProcess.stop`), as leaving a ``with``
+        block does."""
         self.stop()
 
     def __repr__(self) -> str:

@@ -18,8 +18,9 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 from urllib.parse import quote
+
+from .resources import ClosingResource
 
 __all__ = ["TLSCertificates"]
 
@@ -55,7 +56,7 @@ authorityKeyIdentifier=keyid
 
 
 @dataclass(frozen=True)
-class TLSCertificates:
+class TLSCertificates(ClosingResource):
     """PEM files in :attr:`directory`: an authority, a server and a client certificate signed by
     it (valid two days), and the certificate of an unrelated authority.
 
@@ -135,17 +136,8 @@ class TLSCertificates:
         """Delete :attr:`directory` and everything in it."""
         shutil.rmtree(self.directory, ignore_errors=True)
 
-    def __enter__(self) -> TLSCertificates:
-        """Return the certificates."""
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc_value: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        """Delete the directory."""
+    def close(self) -> None:
+        """Delete the directory (:meth:`remove`), as leaving a ``with`` block does."""
         self.remove()
 
     def _make(self, openssl: str) -> None:
