@@ -40,10 +40,7 @@ class DirectRun:
         resource = plan.resource(args, kwargs)
         owner = Owner.here(self.task.name, None).to_text()
         wait = plan.wait if plan.on_duplicate in ("wait", "retry", "coalesce") else 0.0
-        if wait > 0:
-            outcome = redlock.wait_for(resource, plan.ttl, owner, timeout=wait)
-        else:
-            outcome = redlock.attempt(resource, plan.ttl, owner)
+        outcome = redlock.attempt(resource, plan.ttl, owner, wait=wait)
         if isinstance(outcome, Unavailable):
             if plan.on_unavailable != "run":
                 raise outcome.error

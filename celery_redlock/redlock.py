@@ -19,7 +19,7 @@ import random
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from dataclasses import dataclass
 
 from . import keyspace, scripts
 from .errors import ConfigurationError, LockNotAcquired, QuorumUnavailable
@@ -57,6 +57,22 @@ DRIFT_CONSTANT_SECONDS = 0.002
 def jittered(seconds: float) -> float:
     """``seconds`` times a random factor from 0.5 to 1.5, so that racing callers drift apart."""
     return random.uniform(0.5, 1.5) * seconds
+
+
+@dataclass(frozen=True, slots=True)
+class Acquisition:
+    """What stays the same over every round of one acquisition: the resource and its key, the
+    ttl, the owner text and the token (one token for every round), and the options of
+    `Redlock.attempt`."""
+
+    resource: str
+    key: str
+    ttl: float
+    owner: str
+    token: str
+    replaces: str = ""
+    record: Record | None = None
+    rounds: int | None = None
 
 
 class Redlock:
@@ -160,13 +176,20 @@ class Redlock:
         ttl: float,
         owner: str = "",
         *,
+        wait: float | None = 0.0,
         token: str | None = None,
         replaces: str = "",
         record: Record | None = None,
         rounds: int | None = None,
     ) -> Outcome:
-        """One non-blocking acquisition, retried (up to ``rounds`` rounds, by default
-        ``retry_count``, jittered) only while the outcome is `Contended` or `Unavailable`.
+        """Acquire without raising: one typed outcome.
+
+        With ``wait=0`` (the default) one non-blocking acquisition, retried (up to ``rounds``
+        rounds, by default ``retry_count``, jittered) only while the outcome is `Contended` or
+        `Unavailable`. With ``wait`` seconds (None: no limit), attempts until the lock is taken
+        or that time has passed, sleeping until the holder releases (a notification from the
+        nodes) or its lock expires, never polling; returns the first outcome that is neither
+        `Held` nor `Contended`, or the last one at the end.
 
         ``token`` (default: a new one) lets a caller know the token before any SET is sent;
         ``replaces`` is an owner-text prefix whose holder the caller replaces (its lock counts as
@@ -174,7 +197,12 @@ class Redlock:
         reserved for someone else (`reserve`) is not taken while it is reserved.
         """
         key = self._checked_key(resource, ttl)
-        return self._attempt_at(resource, key, ttl, owner, token, replaces, record, rounds)
+        acquisition = Acquisition(
+            resource, key, ttl, owner, token or new_token(), replaces, record, rounds
+        )
+        if wait == 0:
+            return self._attempt_at(acquisition)
+        return self._wait_at(acquisition, None if wait == float("inf") else wait)
 
     def reserve(self, resource: str, ttl: float, owner: str = "", *, token: str) -> Outcome:
         """Reserve the lock on ``resource`` for its next holder: while the reservation is held,
@@ -182,7 +210,7 @@ class Redlock:
         free. The reservation is a lock itself (`Acquired` holds it; `release` gives it up); one
         attempt, like `attempt`."""
         key = keyspace.reservation_key(self._checked_key(resource, ttl))
-        return self._attempt_at(resource, key, ttl, owner, token, "", None, None)
+        return self._attempt_at(Acquisition(resource, key, ttl, owner, token))
 
     def _checked_key(self, resource: str, ttl: float) -> str:
         # A task's runs share one (float) ttl: it is checked once, not on every run.
@@ -193,38 +221,29 @@ class Redlock:
             raise ConfigurationError(f"resource must be a non-empty string, got {resource!r}")
         return self.key_for(resource)
 
-    def _attempt_at(
-        self,
-        resource: str,
-        key: str,
-        ttl: float,
-        owner: str,
-        token: str | None,
-        replaces: str,
-        record: Record | None,
-        rounds: int | None,
-    ) -> Outcome:
+    def _attempt_at(self, acquisition: Acquisition) -> Outcome:
+        key, ttl, record = acquisition.key, acquisition.ttl, acquisition.record
         # One token for every round: a SET of an earlier round that lands late on a slow node is
         # then this acquisition's own, not a stranger blocking it for a whole ttl.
-        token = token or new_token()
-        value = lock_value(token, owner)
+        value = lock_value(acquisition.token, acquisition.owner)
         keys = [key, keyspace.fence_key(key), keyspace.reservation_key(key)]
         extra: list[str] = []
         if record is not None:
             keys.append(record.key)
             extra += [record.field, record.rank_text]
         ttl_ms = max(1, int(ttl * 1000))
+        rounds = self.retry_count if acquisition.rounds is None else acquisition.rounds
         outcome: Outcome | None = None
-        for round_number in range(self.retry_count if rounds is None else rounds):
+        for round_number in range(rounds):
             if round_number:
                 time.sleep(jittered(self.retry_delay))
             started = time.monotonic()
             clock = time.time_ns() // 1000
-            arguments: list[str | int] = [value, ttl_ms, clock, replaces, *extra]
+            arguments: list[str | int] = [value, ttl_ms, clock, acquisition.replaces, *extra]
             judge = acquire_judge(clock, record is not None)
             try:
                 result = self._group.run(scripts.ACQUIRE, keys, arguments, judge, grants=True)
-                outcome = self._outcome(resource, key, token, owner, ttl, started, result)
+                outcome = self._outcome(acquisition, started, result)
             except BaseException:
                 self._release_value(key, value)  # an interrupted round may have set keys
                 raise
@@ -236,16 +255,28 @@ class Redlock:
                 return outcome
         return outcome or Unavailable(QuorumUnavailable(key, 0, self.quorum))
 
-    def _outcome(
-        self,
-        resource: str,
-        key: str,
-        token: str,
-        owner: str,
-        ttl: float,
-        started: float,
-        result: RoundResult,
-    ) -> Outcome:
+    def _wait_at(self, acquisition: Acquisition, timeout: float | None) -> Outcome:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        outcome = self._attempt_at(acquisition)
+        if not isinstance(outcome, (Held, Contended)):
+            return outcome
+        with self._group.listen_for_releases(acquisition.key) as listener:
+            while True:
+                # Listening before each attempt: a release between attempt and wait wakes us.
+                outcome = self._attempt_at(acquisition)
+                now = time.monotonic()
+                if not isinstance(outcome, (Held, Contended)) or (
+                    deadline is not None and now >= deadline
+                ):
+                    return outcome
+                pause = outcome.expires_in if isinstance(outcome, Held) else outcome.retry_in
+                pause = max(pause, 0.001) + random.uniform(0, self.retry_delay / 4)
+                if deadline is not None:
+                    pause = min(pause, deadline - now)
+                listener.wait(pause)
+
+    def _outcome(self, acquisition: Acquisition, started: float, result: RoundResult) -> Outcome:
+        key, ttl = acquisition.key, acquisition.ttl
         if any(reply == scripts.COVERED_REPLY for reply in result.replies):
             # Records are written by every node a release reaches: one copy is proof enough.
             return Covered()
@@ -254,12 +285,12 @@ class Redlock:
         validity = ttl - (finished - started) - self.drift(ttl)
         if fencing_token is not None and validity > 0:
             lock = Lock(
-                resource=resource,
+                resource=acquisition.resource,
                 key=key,
-                token=token,
+                token=acquisition.token,
                 validity=validity,
                 ttl=ttl,
-                owner=owner,
+                owner=acquisition.owner,
                 valid_until=finished + validity,
                 fencing_token=fencing_token,
             )
@@ -314,38 +345,6 @@ class Redlock:
         copies = [(text_of(reply[0]), int(reply[1])) for reply in result.replies if is_copy(reply)]
         return majority_holder(copies, self.quorum)
 
-    def wait_for(
-        self,
-        resource: str,
-        ttl: float,
-        owner: str = "",
-        timeout: float | None = None,
-        **attempt_options: Any,
-    ) -> Outcome:
-        """Attempt until the lock is taken or ``timeout`` seconds pass (None: no limit),
-        sleeping until the holder releases (a notification from the nodes) or its lock expires,
-        never polling. Returns the first outcome that is neither `Held` nor `Contended`, or the
-        last one at the timeout. ``attempt_options`` go to `attempt`.
-        """
-        deadline = None if timeout is None else time.monotonic() + timeout
-        outcome = self.attempt(resource, ttl, owner, **attempt_options)
-        if not isinstance(outcome, (Held, Contended)):
-            return outcome
-        with self._group.listen_for_releases(self.key_for(resource)) as listener:
-            while True:
-                # Listening before each attempt: a release between attempt and wait wakes us.
-                outcome = self.attempt(resource, ttl, owner, **attempt_options)
-                now = time.monotonic()
-                if not isinstance(outcome, (Held, Contended)) or (
-                    deadline is not None and now >= deadline
-                ):
-                    return outcome
-                pause = outcome.expires_in if isinstance(outcome, Held) else outcome.retry_in
-                pause = max(pause, 0.001) + random.uniform(0, self.retry_delay / 4)
-                if deadline is not None:
-                    pause = min(pause, deadline - now)
-                listener.wait(pause)
-
     def acquire(
         self,
         resource: str,
@@ -361,10 +360,7 @@ class Redlock:
         acquire sleeps until the holder releases or its lock expires, instead of polling. Raises
         `QuorumUnavailable` when fewer than a majority of nodes answered.
         """
-        if blocking:
-            outcome = self.wait_for(resource, ttl, owner, timeout)
-        else:
-            outcome = self.attempt(resource, ttl, owner)
+        outcome = self.attempt(resource, ttl, owner, wait=timeout if blocking else 0.0)
         if isinstance(outcome, Unavailable):
             raise outcome.error
         return outcome.lock if isinstance(outcome, Acquired) else None
@@ -374,14 +370,14 @@ class Redlock:
         self,
         resource: str,
         ttl: float,
+        *,
         blocking: bool = False,
         timeout: float | None = None,
         owner: str = "",
     ) -> Iterator[Lock]:
-        """Hold the lock on ``resource`` for the ``with`` block; release it on the way out.
-
-        Raises `LockNotAcquired` when the lock is held by someone else.
-        """
+        """Hold the lock on ``resource`` for the ``with`` block (taken as `acquire` takes it);
+        release it on the way out. Raises `LockNotAcquired` when the lock is held by someone
+        else."""
         lock = self.acquire(resource, ttl, blocking=blocking, timeout=timeout, owner=owner)
         if lock is None:
             raise LockNotAcquired(self.key_for(resource))

@@ -193,19 +193,17 @@ class Run:
     def attempt(self, wait: float = 0.0, rounds: int | None = None) -> Outcome:
         """One attempt for this run, waiting up to ``wait`` seconds for the holder to go (an
         infinite ``wait`` waits as long as it takes), of at most ``rounds`` rounds."""
-        redlock = self.runtime.redlock
-        options: dict[str, Any] = {
-            "token": self.lock.token,
-            "record": self.record,
-            "rounds": rounds,
-        }
-        if self.plan.replaces_claims and self.task_id:
-            options["replaces"] = claim_prefix(self.task_id)
-        resource, ttl, owner = self.lock.resource, self.plan.ttl, self.lock.owner
-        if wait > 0:
-            timeout = None if wait == float("inf") else wait
-            return redlock.wait_for(resource, ttl, owner, timeout=timeout, **options)
-        return redlock.attempt(resource, ttl, owner, **options)
+        replaces = claim_prefix(self.task_id) if self.plan.replaces_claims and self.task_id else ""
+        return self.runtime.redlock.attempt(
+            self.lock.resource,
+            self.plan.ttl,
+            self.lock.owner,
+            wait=wait,
+            token=self.lock.token,
+            replaces=replaces,
+            record=self.record,
+            rounds=rounds,
+        )
 
     def hold_while_running(self, lock: Lock) -> None:
         """Keep the acquired lock alive while the body runs (never past its hard time limit)."""

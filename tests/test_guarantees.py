@@ -30,9 +30,9 @@ from celery_apps.support import (
 from redlock_support import value_on, values_on, wait_until
 
 from celery_redlock import DuplicateSkipped, LockLost, SingletonTask, singleton_task
+from celery_redlock.messages import MESSAGE_HEADER
 from celery_redlock.owner import Owner, lock_value, owner_text_of
 from celery_redlock.testing import RedisNodes, RedisServer
-from celery_redlock.messages import MESSAGE_HEADER
 
 pytest_plugins = ["celery_apps.fixtures"]
 

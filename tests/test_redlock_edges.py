@@ -81,7 +81,7 @@ def test_a_split_vote_is_contention_not_a_holder(three_nodes: RedisNodes) -> Non
     assert value_on(three_nodes[2], key) is None  # the failed attempt released its own SET
     # Waiting is woken by the leftovers' expiry, not by a guess.
     started = time.monotonic()
-    acquired = dlm.wait_for("split", ttl=5.0, timeout=5.0)
+    acquired = dlm.attempt("split", ttl=5.0, wait=5.0)
     assert isinstance(acquired, Acquired)
     assert 0.5 < time.monotonic() - started < 3.0
 

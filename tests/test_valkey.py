@@ -197,7 +197,7 @@ def test_a_waiter_is_woken_by_the_release(kind: Servers) -> None:
         assert lock is not None
 
         def wait() -> None:
-            outcome["got"] = waiter.wait_for("valkey:wait", 10, "waiter", timeout=10)
+            outcome["got"] = waiter.attempt("valkey:wait", 10, "waiter", wait=10)
             outcome["at"] = time.monotonic()
 
         thread = threading.Thread(target=wait)

@@ -12,11 +12,10 @@ as its masters together.
 from __future__ import annotations
 
 import binascii
-import threading
 
 from ..errors import RedlockError
 from ..settings import redact_url
-from .endpoint import Endpoint
+from .endpoint import Endpoint, KnownServers
 from .locating import Locator
 from .members import LockNode, Redirect
 from .resp import ErrorReply
@@ -45,11 +44,7 @@ class ClusterNode(LockNode):
         self.name = redact_url(url)
         self.seeds = seeds
         self.wait_replicas = wait_replicas
-        self._template = seeds[0]
-        self._by_address: dict[tuple[str, int], Endpoint] = {
-            seed.address: seed for seed in seeds if seed.address is not None
-        }
-        self._guard = threading.Lock()  # only around dictionary updates, never around I/O
+        self.servers = KnownServers(seeds[0], seeds)
         self._slots: list[Endpoint | None] = [None] * SLOTS
         self.locator = Locator(self.name, self._read_slot_map)
 
@@ -75,7 +70,7 @@ class ClusterNode(LockNode):
         host, _, port = parts[2].rpartition(":")
         if not port.isdigit():
             return None
-        target = self._endpoint_at(host or (endpoint.address or ("", 0))[0], int(port))
+        target = self.servers.at(host or (endpoint.address or ("", 0))[0], int(port))
         if reply.code == "ASK":
             return Redirect(target, asking=True)
         slot = int(parts[1])
@@ -95,18 +90,11 @@ class ClusterNode(LockNode):
     def notice_failure(self, endpoint: Endpoint) -> None:
         self.locator.relocate()  # a master that fails may have been replaced by its replica
 
-    def _endpoint_at(self, host: str, port: int) -> Endpoint:
-        endpoint = self._by_address.get((host, port))
-        if endpoint is None:
-            with self._guard:
-                endpoint = self._by_address.setdefault((host, port), self._template.at(host, port))
-        return endpoint
-
     def _read_slot_map(self) -> None:
         """Read ``CLUSTER SLOTS`` from the first server that answers: the seeds, then every
         master known."""
         errors = []
-        candidates = list(dict.fromkeys([*self.seeds, *self._by_address.values()]))
+        candidates = list(dict.fromkeys([*self.seeds, *self.servers.all()]))
         for candidate in candidates:
             try:
                 with candidate.client() as client:
@@ -136,6 +124,6 @@ class ClusterNode(LockNode):
             if not (0 <= start <= end < SLOTS):
                 return None
             # An empty host means "the server you asked" (cluster-announce-hostname unset).
-            endpoint = self._endpoint_at(host or (asked.address or ("", 0))[0], port)
+            endpoint = self.servers.at(host or (asked.address or ("", 0))[0], port)
             slots[start : end + 1] = [endpoint] * (end - start + 1)
         return slots

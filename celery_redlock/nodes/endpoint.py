@@ -17,6 +17,7 @@ import re
 import socket
 import threading
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import redis
@@ -260,3 +261,26 @@ class Endpoint:
             logger.info("lock node %s answers again", self.name)
             self._backoff = 0.0
             self._suspect = False
+
+
+class KnownServers:
+    """The servers a member has learned of (a cluster's masters, the masters its sentinels
+    named), one `Endpoint` per address, kept with its health and its connection however often
+    the member learns of it again. New ones take the connection options of ``template``."""
+
+    def __init__(self, template: Endpoint, known: Iterable[Endpoint] = ()) -> None:
+        self.template = template
+        self._by_address = {endpoint.address: endpoint for endpoint in known if endpoint.address}
+        self._guard = threading.Lock()  # only around the dictionary update, never around I/O
+
+    def at(self, host: str, port: int) -> Endpoint:
+        """The server at ``host:port``."""
+        endpoint = self._by_address.get((host, port))
+        if endpoint is None:
+            with self._guard:
+                endpoint = self._by_address.setdefault((host, port), self.template.at(host, port))
+        return endpoint
+
+    def all(self) -> list[Endpoint]:
+        """Every server learned of so far."""
+        return list(self._by_address.values())

@@ -28,7 +28,7 @@ from .endpoint import Endpoint
 from .members import LockNode
 from .reactor import Reactor, Waiting
 from .resp import pack_arguments, pack_command
-from .round import Judge, Round, RoundResult
+from .round import Judge, Members, Round, RoundResult
 from .subscriber import Subscriber
 from .unattended import Unattended
 
@@ -165,32 +165,13 @@ class NodeGroup:
         off, and is logged). ``grants``: the script grants a
         lock, which members with ``wait_replicas`` confirm only once replicas acknowledged it.
         """
-        connections = self.connections()
+        members = Members(self.nodes, self.node_timeout, self.connections(), self.script_head)
         if not wait:
-            unattended = Unattended(
-                self.nodes,
-                self.node_timeout,
-                connections,
-                script,
-                self.script_head(script, by_source=True),
-                keys,
-                arguments,
-                judge,
-            )
-            unattended.send(keys[0])
+            head = self.script_head(script, True)
+            packed = pack_command(len(keys), *keys, *arguments, head=head, head_count=2)
+            Unattended(members, script, judge, packed).send(keys[0])
             return RoundResult([], 0, 0, time.monotonic(), [])
-        round_ = Round(
-            self.nodes,
-            self.node_timeout,
-            connections,
-            script,
-            self.script_head,
-            keys,
-            arguments,
-            judge,
-            every,
-            grants,
-        )
+        round_ = Round(members, script, keys, arguments, judge, every, grants)
         try:
             round_.start(wait)
             round_.collect()

@@ -72,16 +72,25 @@ class NodeCall:
         self.replicas: Slot | None = None  # the WAIT reply, when the member waits for replicas
 
 
+@dataclass(frozen=True)
+class Members:
+    """What a round needs of its group: the members, their node timeout, this process's
+    connections to them, and a script call's packed head (``EVAL <source>`` when the flag is
+    set, else ``EVALSHA <sha>``)."""
+
+    nodes: Sequence[LockNode]
+    node_timeout: float
+    connections: RoundConnections
+    script_head: Callable[[Script, bool], bytes]
+
+
 class Round(Waiting):
     """One script call on every member at once, and its replies as they arrive."""
 
     def __init__(
         self,
-        nodes: Sequence[LockNode],
-        node_timeout: float,
-        connections: RoundConnections,
+        members: Members,
         script: Script,
-        script_head: Callable[[Script, bool], bytes],
         keys: Sequence[str],
         arguments: Sequence[str | int],
         judge: Judge,
@@ -89,12 +98,12 @@ class Round(Waiting):
         grants: bool,
     ) -> None:
         super().__init__()
-        self.nodes = nodes
-        self.node_timeout = node_timeout
+        self.nodes = nodes = members.nodes
+        self.node_timeout = members.node_timeout
         self.quorum = len(nodes) // 2 + 1
-        self.connections = connections
+        self.connections = members.connections
         self.script = script
-        self.script_head = script_head
+        self.script_head = members.script_head
         self.key = keys[0]
         self.call = (len(keys), *keys, *arguments)
         self.judge = judge

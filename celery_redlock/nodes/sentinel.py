@@ -12,11 +12,9 @@ once replicas acknowledged it.
 
 from __future__ import annotations
 
-import threading
-
 from ..errors import RedlockError
 from ..settings import redact_url
-from .endpoint import Endpoint
+from .endpoint import Endpoint, KnownServers
 from .locating import Locator
 from .members import LockNode
 from .resp import ErrorReply
@@ -45,9 +43,7 @@ class SentinelNode(LockNode):
         self.sentinels = sentinels
         self.service = service
         self.wait_replicas = wait_replicas
-        self._template = master
-        self._by_address: dict[tuple[str, int], Endpoint] = {}
-        self._guard = threading.Lock()  # only around dictionary updates, never around I/O
+        self.servers = KnownServers(master)
         self._master: Endpoint | None = None
         self.locator = Locator(self.name, self._ask_sentinels)
 
@@ -89,14 +85,7 @@ class SentinelNode(LockNode):
                     for part in address
                 )
                 if port.isdigit():
-                    self._master = self._endpoint_at(host, int(port))
+                    self._master = self.servers.at(host, int(port))
                     return
             errors.append(f"{sentinel.name}: knows no master named {self.service!r}")
         raise RedlockError("; ".join(errors) or "no sentinel to ask")
-
-    def _endpoint_at(self, host: str, port: int) -> Endpoint:
-        endpoint = self._by_address.get((host, port))
-        if endpoint is None:
-            with self._guard:
-                endpoint = self._by_address.setdefault((host, port), self._template.at(host, port))
-        return endpoint

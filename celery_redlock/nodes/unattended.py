@@ -7,14 +7,14 @@ that moved (MOVED, ASK) is followed to its new server."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 from ..scripts import Script
 from .channel import Slot
 from .endpoint import Endpoint
 from .members import LockNode
 from .resp import ErrorReply, pack_command
-from .round import FOLLOW_UPS_PER_MEMBER, Judge, RoundConnections
+from .round import FOLLOW_UPS_PER_MEMBER, Judge, Members
 
 
 class Unattended:
@@ -22,25 +22,15 @@ class Unattended:
 
     __slots__ = ("connections", "judge", "node_timeout", "nodes", "packed", "script")
 
-    def __init__(
-        self,
-        nodes: Sequence[LockNode],
-        node_timeout: float,
-        connections: RoundConnections,
-        script: Script,
-        head: bytes,
-        keys: Sequence[str],
-        arguments: Sequence[str | int],
-        judge: Judge,
-    ) -> None:
-        self.nodes = nodes
-        self.node_timeout = node_timeout
-        self.connections = connections
+    def __init__(self, members: Members, script: Script, judge: Judge, packed: bytes) -> None:
+        """``packed``: the whole command, EVAL and the script's source (not the SHA: nobody
+        would read a NOSCRIPT in time to send it again)."""
+        self.nodes = members.nodes
+        self.node_timeout = members.node_timeout
+        self.connections = members.connections
         self.script = script
         self.judge = judge
-        # ``head`` is EVAL and the source, not the SHA: nobody would read a NOSCRIPT in time to
-        # send it again.
-        self.packed = pack_command(len(keys), *keys, *arguments, head=head, head_count=2)
+        self.packed = packed
 
     def send(self, key: str) -> None:
         """Send the call to every member that is not backed off (routed by ``key``)."""
