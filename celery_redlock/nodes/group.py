@@ -27,8 +27,8 @@ from .channel import Channel, Slot
 from .endpoint import Endpoint
 from .members import LockNode
 from .reactor import Reactor, Waiting
-from .resp import pack_arguments, pack_command
-from .round import Judge, Members, Round, RoundResult
+from .resp import pack_command
+from .round import Judge, Members, Round, RoundResult, ScriptHeads
 from .subscriber import Subscriber
 from .unattended import Unattended
 
@@ -109,15 +109,9 @@ class NodeGroup:
         self.node_timeout = node_timeout
         self.quorum = len(self.nodes) // 2 + 1
         self._connections = self._new_connections()
-        self._heads: dict[tuple[str, bool], bytes] = {}
-
-    def script_head(self, script: Script, by_source: bool) -> bytes:
-        """``EVAL <source>`` or ``EVALSHA <sha>`` packed once per script (`pack_arguments`)."""
-        head = self._heads.get((script.name, by_source))
-        if head is None:
-            arguments = ("EVAL", script.source) if by_source else ("EVALSHA", script.sha)
-            head = self._heads[(script.name, by_source)] = pack_arguments(*arguments)
-        return head
+        # Not a method of the group: rounds keep it, and a round still waiting in a connection
+        # must not keep the group alive (its finalizer closes the connections).
+        self.script_head = ScriptHeads()
 
     def _new_connections(self) -> Connections:
         connections = Connections()

@@ -16,7 +16,7 @@ from .channel import NO_REPLY, Channel, Slot
 from .endpoint import Endpoint
 from .members import LockNode
 from .reactor import Reactor, Waiting
-from .resp import ErrorReply, pack_command
+from .resp import ErrorReply, pack_arguments, pack_command
 
 
 class RoundConnections(Protocol):
@@ -70,6 +70,21 @@ class NodeCall:
         self.slots: list[Slot] = []
         self.main: Slot | None = None
         self.replicas: Slot | None = None  # the WAIT reply, when the member waits for replicas
+
+
+class ScriptHeads:
+    """``EVAL <source>`` or ``EVALSHA <sha>`` of each script, packed once (`pack_arguments`);
+    called as ``heads(script, by_source)``."""
+
+    def __init__(self) -> None:
+        self._heads: dict[tuple[str, bool], bytes] = {}
+
+    def __call__(self, script: Script, by_source: bool) -> bytes:
+        head = self._heads.get((script.name, by_source))
+        if head is None:
+            arguments = ("EVAL", script.source) if by_source else ("EVALSHA", script.sha)
+            head = self._heads[(script.name, by_source)] = pack_arguments(*arguments)
+        return head
 
 
 @dataclass(frozen=True)

@@ -47,12 +47,13 @@ from .celery_subprocesses import (
     CeleryProcess,
     CeleryWorker,
     WorkerNotReadyError,
+    celery_processes,
     wait_for_workers,
 )
 from .cluster import RedisCluster
 from .groups import RedisNodes, ServerGroup
 from .ports import free_port
-from .processes import ManagedProcess, ProcessExitedError, celery_processes, stop_processes
+from .processes import ManagedProcess, ProcessExitedError, stop_processes
 from .redis_servers import RedisServer, ValkeyServer
 from .sentinel import SentinelGroup, SentinelServer
 from .slot_migration import SlotMigration

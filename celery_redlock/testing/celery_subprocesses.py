@@ -23,7 +23,7 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +39,7 @@ __all__ = [
     "CeleryProcess",
     "CeleryWorker",
     "WorkerNotReadyError",
+    "celery_processes",
     "wait_for_workers",
 ]
 
@@ -289,3 +290,27 @@ def wait_for_workers(app: Celery, workers: Iterable[CeleryWorker], timeout: floa
             raise WorkerNotReadyError(
                 f"workers {sorted(silent)} did not answer ping within {timeout} s\n{logs}"
             )
+
+
+@contextlib.contextmanager
+def celery_processes(*, remove_logs: bool = True) -> Iterator[list[ManagedProcess]]:
+    """A list to put started processes in (any `ManagedProcess`, Celery's or not); when the
+    block ends, every one is killed (SIGKILL to its whole group, last added first) and reaped,
+    whatever happened in the block.
+
+    With ``remove_logs`` the processes' log files are deleted too, unless the block raised: the
+    logs of a failure stay for reading.
+    """
+    processes: list[ManagedProcess] = []
+    failed = False
+    try:
+        yield processes
+    except BaseException:
+        failed = True
+        raise
+    finally:
+        for process in reversed(processes):
+            process.kill()
+        if remove_logs and not failed:
+            for process in processes:
+                process.remove_log()

@@ -15,7 +15,7 @@ import os
 import signal
 import subprocess
 import tempfile
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, TypedDict, TypeVar
 
@@ -30,7 +30,6 @@ __all__ = [
     "ManagedProcess",
     "ProcessExitedError",
     "ProcessOptions",
-    "celery_processes",
     "stop_processes",
 ]
 
@@ -480,27 +479,3 @@ def stop_processes(
     wait_for_exits(chosen, timeout, hurry)
     for process in chosen:
         process.kill()
-
-
-@contextlib.contextmanager
-def celery_processes(*, remove_logs: bool = True) -> Iterator[list[ManagedProcess]]:
-    """A list to put started processes in (any `ManagedProcess`, Celery's or not); when the
-    block ends, every one is killed (SIGKILL to its whole group, last added first) and reaped,
-    whatever happened in the block.
-
-    With ``remove_logs`` the processes' log files are deleted too, unless the block raised: the
-    logs of a failure stay for reading.
-    """
-    processes: list[ManagedProcess] = []
-    failed = False
-    try:
-        yield processes
-    except BaseException:
-        failed = True
-        raise
-    finally:
-        for process in reversed(processes):
-            process.kill()
-        if remove_logs and not failed:
-            for process in processes:
-                process.remove_log()
