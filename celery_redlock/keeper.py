@@ -24,6 +24,9 @@ from .redlock import Redlock
 
 logger = logging.getLogger(__name__)
 
+IDLE_SECONDS = 2.0
+"""How long the keeper thread waits with nothing to extend before it ends."""
+
 
 @dataclass(eq=False, slots=True)
 class KeptLock:
@@ -87,7 +90,12 @@ class LockKeeper:
             # Short runs stop long before their first extension is due: drop their entries in
             # bulk, or the thread wakes up once per finished run, a third of a ttl later.
             self._stopped_in_queue += 1
-            if self._stopped_in_queue > max(16, len(self._queue) // 2):
+            if self._stopped_in_queue >= len(self._queue):
+                # Nothing left to extend: the thread may go idle (and end, see `_run`).
+                self._queue = []
+                self._stopped_in_queue = 0
+                self._wakeup.notify()
+            elif self._stopped_in_queue > max(16, len(self._queue) // 2):
                 self._queue = [entry for entry in self._queue if not entry[2].stopped]
                 heapq.heapify(self._queue)
                 self._stopped_in_queue = 0
@@ -109,7 +117,7 @@ class LockKeeper:
         kept.next_at = when
         self._this_process()
         with self._wakeup:
-            if self._thread is None:  # its loop never ends; a fork leaves it behind (above)
+            if self._thread is None:  # none yet, idle and ended, or left in the parent (above)
                 self._thread = threading.Thread(
                     target=self._run, name="celery-redlock-keeper", daemon=True
                 )
@@ -123,8 +131,14 @@ class LockKeeper:
         while True:
             with self._wakeup:
                 while not self._queue or self._queue[0][0] > time.monotonic():
-                    timeout = self._queue[0][0] - time.monotonic() if self._queue else None
-                    self._wakeup.wait(timeout)
+                    if self._queue:
+                        self._wakeup.wait(self._queue[0][0] - time.monotonic())
+                    elif not self._wakeup.wait(IDLE_SECONDS) and not self._queue:
+                        # Nothing to extend for a while: the thread ends (the next lock kept
+                        # starts another), so that it does not keep a dropped lock manager
+                        # and its connections alive for ever.
+                        self._thread = None
+                        return
                 _, _, kept = heapq.heappop(self._queue)
             with kept.guard:
                 if kept.stopped or kept.is_lost:

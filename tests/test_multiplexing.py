@@ -49,6 +49,7 @@ from celery_redlock.errors import DuplicateSkipped
 from celery_redlock.nodes import NO_REPLY, NodeGroup, RoundResult, members_from_urls
 from celery_redlock.outcomes import Lock, Outcome, new_token
 from celery_redlock.owner import lock_value
+from celery_redlock.redlock import Acquisition
 from celery_redlock.replies import acquire_judge, judge_copy, judge_zero_or_one
 from celery_redlock.testing import RedisNodes, RedisServer
 
@@ -810,15 +811,16 @@ class ReleasedDuringTheAttempt(Redlock):
     holding: Lock | None = None
     attempts = 0
 
-    def attempt(self, resource: str, ttl: float, owner: str = "", **options: Any) -> Outcome:
-        outcome = super().attempt(resource, ttl, owner, **options)
+    # White box: every attempt of one blocking acquisition goes through this one step.
+    def _attempt_at(self, acquisition: Acquisition) -> Outcome:
+        outcome = super()._attempt_at(acquisition)
         self.attempts += 1
         # The waiter's first attempt comes before it listens; its second, after.
         if self.attempts == 2 and self.holding is not None:
             holding, self.holding = self.holding, None
             assert self.release(holding)
             for _ in range(5):
-                self.holder_of(resource)  # rounds read the notification in, if not yet
+                self.holder_of(acquisition.resource)  # rounds read the notification in
         return outcome
 
 
