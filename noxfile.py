@@ -215,13 +215,18 @@ def tests(session: nox.Session) -> None:
 
 @nox.session
 def topology(session: nox.Session) -> None:
-    """The tests on real Redis topologies, marked ``topology``: Redis Clusters (failovers, slot
-    migrations) and Sentinel groups (failovers) as lock nodes, and the harness that runs them.
-    `-m topology` replaces the `-m "not topology"` of pyproject.toml's addopts; arguments after
-    -- are added (`nox -s topology -- tests/test_topology_cluster.py -x`)."""
+    """The longer tests on real topologies: Redis Clusters (failovers, slot migrations) and
+    Sentinel groups (failovers) as lock nodes and the harness that runs them (marked
+    ``topology``), and the fleet under lock-node faults (marked ``fleet``). The `-m` given here
+    replaces the one of pyproject.toml's addopts; arguments after -- are added
+    (`nox -s topology -- tests/test_topology_cluster.py -x`)."""
     _install(session)
     session.run(
-        "pytest", "-m", "topology", *session.posargs, env=_machine_server_environment(session)
+        "pytest",
+        "-m",
+        "topology or fleet",
+        *session.posargs,
+        env=_machine_server_environment(session),
     )
 
 

@@ -43,6 +43,19 @@ class _NoReply:
 NO_REPLY: Any = _NoReply()
 
 
+def wait_readable(descriptors: Sequence[int], timeout: float) -> list[int]:
+    """The descriptors among ``descriptors`` that are readable within ``timeout`` seconds. Uses
+    ``poll`` where it exists (no limit on descriptor numbers), else ``select`` (eventlet's
+    monkey patching removes ``select.poll``)."""
+    if hasattr(select, "poll"):
+        poller = select.poll()
+        for descriptor in descriptors:
+            poller.register(descriptor, select.POLLIN)
+        return [descriptor for descriptor, _ in poller.poll(max(timeout, 0.0) * 1000)]
+    readable, _, _ = select.select(list(descriptors), [], [], max(timeout, 0.0))
+    return list(readable)
+
+
 class Waiter(Protocol):
     """Whoever waits for slots: told about each slot once it is answered (`deliver`, called with
     the reactor's lock held). What it returns, if anything, is called once that lock is
@@ -209,10 +222,9 @@ class Channel:
             if sock.pending():
                 return True
             try:
-                readable, _, _ = select.select([sock], [], [], 0)
+                return bool(wait_readable([sock.fileno()], 0))
             except (OSError, ValueError):
                 return True
-            return bool(readable)
         try:
             sock.recv(1, socket.MSG_PEEK)  # data, or b"" at the end of the stream
         except BlockingIOError:

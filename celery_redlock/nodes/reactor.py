@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import select
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
-from .channel import Slot
+from .channel import Slot, wait_readable
 
 
 class Waiting:
@@ -63,19 +62,6 @@ class Waiting:
         """Sleep until woken or ``timeout`` seconds pass."""
         if self._wakeup.acquire(timeout=max(timeout, 0.0)):
             return
-
-
-def wait_readable(descriptors: Sequence[int], timeout: float) -> list[int]:
-    """The descriptors among ``descriptors`` that are readable within ``timeout`` seconds. Uses
-    ``poll`` where it exists (no limit on descriptor numbers), else ``select`` (eventlet's
-    monkey patching removes ``select.poll``)."""
-    if hasattr(select, "poll"):
-        poller = select.poll()
-        for descriptor in descriptors:
-            poller.register(descriptor, select.POLLIN)
-        return [descriptor for descriptor, _ in poller.poll(max(timeout, 0.0) * 1000)]
-    readable, _, _ = select.select(list(descriptors), [], [], max(timeout, 0.0))
-    return list(readable)
 
 
 class Readable(Protocol):

@@ -83,7 +83,11 @@ def wait_for_exits(
             if step is not None and remaining is not None:
                 step = min(step, remaining)
             if watched:
-                select.select(watched, [], [], step)
+                # poll, not select: select refuses descriptors numbered past FD_SETSIZE (1024).
+                poller = select.poll()
+                for descriptor in watched:
+                    poller.register(descriptor, select.POLLIN)
+                poller.poll(None if step is None else step * 1000)
             else:
                 time.sleep(step or 0)
     finally:
