@@ -57,6 +57,7 @@ class LockKeeper:
         self._thread: threading.Thread | None = None
         self._pid = os.getpid()
         self._stopped_in_queue = 0
+        self._sleeping_until = 0.0  # until when the thread sleeps (0: none sleeps)
 
     def _this_process(self) -> None:
         """Start afresh in a forked child: the parent's thread is not there, and its condition
@@ -66,6 +67,7 @@ class LockKeeper:
             self._queue = []
             self._thread = None
             self._stopped_in_queue = 0
+            self._sleeping_until = 0.0
             self._pid = os.getpid()
 
     def keep(
@@ -91,10 +93,10 @@ class LockKeeper:
             # bulk, or the thread wakes up once per finished run, a third of a ttl later.
             self._stopped_in_queue += 1
             if self._stopped_in_queue >= len(self._queue):
-                # Nothing left to extend: the thread may go idle (and end, see `_run`).
+                # Nothing left to extend: the thread finds the queue empty when it wakes (it is
+                # not woken for that), then goes idle and ends (see `_run`).
                 self._queue = []
                 self._stopped_in_queue = 0
-                self._wakeup.notify()
             elif self._stopped_in_queue > max(16, len(self._queue) // 2):
                 self._queue = [entry for entry in self._queue if not entry[2].stopped]
                 heapq.heapify(self._queue)
@@ -122,9 +124,8 @@ class LockKeeper:
                     target=self._run, name="celery-redlock-keeper", daemon=True
                 )
                 self._thread.start()
-            earliest = self._queue[0][0] if self._queue else float("inf")
             heapq.heappush(self._queue, (when, next(self._order), kept))
-            if when < earliest:  # the thread sleeps until the earliest entry: wake it only then
+            if when < self._sleeping_until:  # wake the thread only if it would sleep past this
                 self._wakeup.notify()
 
     def _run(self) -> None:
@@ -132,13 +133,18 @@ class LockKeeper:
             with self._wakeup:
                 while not self._queue or self._queue[0][0] > time.monotonic():
                     if self._queue:
-                        self._wakeup.wait(self._queue[0][0] - time.monotonic())
-                    elif not self._wakeup.wait(IDLE_SECONDS) and not self._queue:
+                        self._sleeping_until = self._queue[0][0]
+                        self._wakeup.wait(self._sleeping_until - time.monotonic())
+                        continue
+                    self._sleeping_until = time.monotonic() + IDLE_SECONDS
+                    if not self._wakeup.wait(IDLE_SECONDS) and not self._queue:
                         # Nothing to extend for a while: the thread ends (the next lock kept
                         # starts another), so that it does not keep a dropped lock manager
                         # and its connections alive for ever.
                         self._thread = None
+                        self._sleeping_until = 0.0
                         return
+                self._sleeping_until = 0.0  # awake: whoever schedules need not wake it
                 _, _, kept = heapq.heappop(self._queue)
             with kept.guard:
                 if kept.stopped or kept.is_lost:
