@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import random
 import time
 from collections.abc import Iterator, Sequence
@@ -52,6 +53,11 @@ logger = logging.getLogger(__name__)
 
 FENCE_SUFFIX = keyspace.FENCE_SUFFIX  # kept for callers of 0.2
 DRIFT_CONSTANT_SECONDS = 0.002
+
+
+SPLIT_LONGEST_PAUSE = 1.0
+"""The longest random pause of a waiting caller after a split vote (the longest pause starts at
+``retry_delay`` and doubles after each split in a row)."""
 
 
 def jittered(seconds: float) -> float:
@@ -260,6 +266,7 @@ class Redlock:
         outcome = self._attempt_at(acquisition)
         if not isinstance(outcome, (Held, Contended)):
             return outcome
+        splits = 0
         with self._group.listen_for_releases(acquisition.key) as listener:
             while True:
                 # Listening before each attempt: a release between attempt and wait wakes us.
@@ -269,11 +276,21 @@ class Redlock:
                     deadline is not None and now >= deadline
                 ):
                     return outcome
-                pause = outcome.expires_in if isinstance(outcome, Held) else outcome.retry_in
-                pause = max(pause, 0.001) + random.uniform(0, self.retry_delay / 4)
-                if deadline is not None:
-                    pause = min(pause, deadline - now)
-                listener.wait(pause)
+                left = math.inf if deadline is None else deadline - now
+                if isinstance(outcome, Contended):
+                    # Callers woken by one release split the vote again if they all try again
+                    # at once, and every failed attempt's release wakes them together: so after
+                    # a split each sleeps a random while instead, longer after each split.
+                    splits += 1
+                    longest = min(
+                        max(self.retry_delay, 0.01) * 2 ** (splits - 1), SPLIT_LONGEST_PAUSE
+                    )
+                    pause = random.uniform(0, min(longest, max(outcome.retry_in, 0.001)))
+                    time.sleep(min(pause, left))
+                    continue
+                splits = 0
+                pause = max(outcome.expires_in, 0.001) + random.uniform(0, self.retry_delay / 4)
+                listener.wait(min(pause, left))
 
     def _outcome(self, acquisition: Acquisition, started: float, result: RoundResult) -> Outcome:
         key, ttl = acquisition.key, acquisition.ttl

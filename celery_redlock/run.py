@@ -55,6 +55,9 @@ IN_PROCESS_WAIT = 5.0
 """Seconds a continuation waits for its predecessor's release, or a split vote for a decision,
 before the message is deferred (published again with a countdown) to free the pool process."""
 
+SPLIT_VOTE_DEFERRAL = 1.0
+"""The longest countdown of a delivery deferred because no majority agreed on a holder."""
+
 UNAVAILABLE_PATIENCE = 10.0
 """Seconds a run waits in its pool process for a quorum of lock nodes before it is deferred."""
 
@@ -365,7 +368,9 @@ class Run:
     def defer_past(self, outcome: Outcome, relation: str, holder: Owner | None) -> Ignore:
         """Defer this delivery until the holder is gone (or a split vote is over)."""
         if isinstance(outcome, Contended):
-            return self.defer(max(outcome.retry_in, 1.0), "no majority agreed on a holder")
+            # Racing callers settle in moments and leftovers expire in retry_in: come back soon.
+            countdown = min(outcome.retry_in, SPLIT_VOTE_DEFERRAL)
+            return self.defer(countdown, "no majority agreed on a holder")
         assert isinstance(outcome, Held)
         if relation == "continuation":
             return self.defer(outcome.expires_in + 0.1, "its predecessor still holds the lock")

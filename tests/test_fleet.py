@@ -1,6 +1,7 @@
 """The fleet test: real prefork workers, five lock nodes, duplicates, and every fault at once.
 
-Run alone with ``pytest -m fleet``; CI runs it in the nox ``topology`` session (the default suite leaves it out).
+Run alone with ``pytest -m fleet``; CI runs it in the nox ``topology`` session (the default
+suite leaves it out).
 
 `test_fleet_under_lock_node_faults`: three ``celery worker -P prefork -c 2`` processes work
 through duplicate submissions on a dozen keys (``on_duplicate="retry"``) while the test
