@@ -1,7 +1,8 @@
-"""What an acquisition yields: the `Lock` held, the `Record` kept beside it, and the typed
-`Outcome` of one attempt — `Acquired`, `Held` (a majority names one holder), `Contended` (no
-majority either way: a split vote or stale leftovers), `Unavailable` (fewer than a majority
-answered) or `Covered` (a record kept beside the lock covers the caller's rank)."""
+"""What an acquisition asks (`Acquisition`) and yields: the `Lock` held, the `Record` kept
+beside it, and the typed `Outcome` of one attempt — `Acquired`, `Held` (a majority names one
+holder), `Contended` (no majority either way: a split vote or stale leftovers), `Unavailable`
+(fewer than a majority answered) or `Covered` (a record kept beside the lock covers the
+caller's rank)."""
 
 from __future__ import annotations
 
@@ -70,6 +71,22 @@ class Record:
     def rank_text(self) -> str:
         """The rank as the scripts store it (``"major:minor"``)."""
         return f"{self.rank[0]}:{self.rank[1]}"
+
+
+@dataclass(frozen=True, slots=True)
+class Acquisition:
+    """What stays the same over every round of one acquisition: the resource and its key, the
+    ttl, the owner text and the token (one token for every round), and the options of
+    `Redlock.attempt`."""
+
+    resource: str
+    key: str
+    ttl: float
+    owner: str
+    token: str
+    replaces: str = ""
+    record: Record | None = None
+    rounds: int | None = None
 
 
 @dataclass(frozen=True)

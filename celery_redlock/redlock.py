@@ -20,13 +20,13 @@ import random
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 from . import keyspace, scripts
 from .errors import ConfigurationError, LockNotAcquired, QuorumUnavailable
 from .nodes import Judge, LockNode, NodeGroup, RoundResult, members_from_urls
 from .outcomes import (
     Acquired,
+    Acquisition,
     Contended,
     Covered,
     Held,
@@ -54,7 +54,6 @@ logger = logging.getLogger(__name__)
 FENCE_SUFFIX = keyspace.FENCE_SUFFIX  # kept for callers of 0.2
 DRIFT_CONSTANT_SECONDS = 0.002
 
-
 SPLIT_LONGEST_PAUSE = 1.0
 """The longest random pause of a waiting caller after a split vote (the longest pause starts at
 ``retry_delay`` and doubles after each split in a row)."""
@@ -63,22 +62,6 @@ SPLIT_LONGEST_PAUSE = 1.0
 def jittered(seconds: float) -> float:
     """``seconds`` times a random factor from 0.5 to 1.5, so that racing callers drift apart."""
     return random.uniform(0.5, 1.5) * seconds
-
-
-@dataclass(frozen=True, slots=True)
-class Acquisition:
-    """What stays the same over every round of one acquisition: the resource and its key, the
-    ttl, the owner text and the token (one token for every round), and the options of
-    `Redlock.attempt`."""
-
-    resource: str
-    key: str
-    ttl: float
-    owner: str
-    token: str
-    replaces: str = ""
-    record: Record | None = None
-    rounds: int | None = None
 
 
 class Redlock:

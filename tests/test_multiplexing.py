@@ -48,9 +48,8 @@ import celery_redlock.nodes
 from celery_redlock import Redlock, keyspace, scripts
 from celery_redlock.errors import DuplicateSkipped
 from celery_redlock.nodes import NO_REPLY, NodeGroup, RoundResult, members_from_urls
-from celery_redlock.outcomes import Lock, Outcome, new_token
+from celery_redlock.outcomes import Acquisition, Lock, Outcome, new_token
 from celery_redlock.owner import lock_value
-from celery_redlock.redlock import Acquisition
 from celery_redlock.replies import acquire_judge, judge_copy, judge_zero_or_one
 from celery_redlock.testing import RedisNodes, RedisServer
 

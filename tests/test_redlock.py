@@ -14,6 +14,7 @@ import pytest
 from redlock_support import pttl_on, value_on, values_on, wait_until
 
 from celery_redlock import Lock, LockNotAcquired, QuorumUnavailable, Redlock
+from celery_redlock.nodes import hung_after
 from celery_redlock.redlock import Held
 from celery_redlock.testing import RedisNodes
 
@@ -278,22 +279,43 @@ def test_release_reaches_a_node_whose_set_landed_late(three_nodes):
     )
 
 
-def test_a_set_landing_after_the_release_expires_within_the_ttl(three_nodes):
-    ttl = 0.6
+def test_a_release_queued_behind_a_late_set_removes_it(three_nodes):
+    # A node slower than node_timeout (but not yet hung) keeps its connection: the release goes
+    # out behind the SET, and the node runs both, in order, once it runs again.
     dlm = Redlock(three_nodes.urls, node_timeout=0.05)
+    dlm.release(dlm.acquire("warm-up", ttl=1.0))  # open connections: the SET gets sent
+    three_nodes[0].pause()
+    try:
+        lock = dlm.acquire("queued", ttl=10.0)
+        assert lock is not None
+        time.sleep(0.1)  # longer than node_timeout, shorter than hung_after
+        assert dlm.release(lock) is True
+    finally:
+        three_nodes[0].resume()
+    with three_nodes[0].client(socket_timeout=2) as client:
+        assert client.ping()  # the paused node has run what it had been sent
+    assert values_on(three_nodes, lock.key) == [None] * 3
+
+
+def test_a_set_landing_after_the_release_expires_within_the_ttl(three_nodes):
+    # A node silent for longer than hung_after is hung: its connection is closed, so the
+    # release cannot reach it, and the SET it had in its socket buffer lands after the release.
+    node_timeout = 0.05
+    hang = hung_after(node_timeout) + 0.1
+    ttl = hang + 0.5
+    dlm = Redlock(three_nodes.urls, node_timeout=node_timeout)
     dlm.release(dlm.acquire("warm-up", ttl=1.0))  # open connections: the SET gets sent
     three_nodes[0].pause()
     try:
         lock = dlm.acquire("later", ttl=ttl)
         assert lock is not None
-        time.sleep(0.1)  # longer than node_timeout: the hung node is given up on
+        time.sleep(hang)
         assert dlm.release(lock) is True
         assert values_on(three_nodes.servers[1:], lock.key) == [None, None]
     finally:
         three_nodes[0].resume()
     resumed = time.monotonic()
-    # Whatever the hung node executes late (the SET, maybe followed by the release), it never
-    # keeps our key longer than the ttl.
+    # Whatever the hung node executes late, it never keeps our key longer than the ttl.
     seen = []
 
     def gone() -> bool:
@@ -305,8 +327,8 @@ def test_a_set_landing_after_the_release_expires_within_the_ttl(three_nodes):
 
     assert wait_until(gone, timeout=ttl + 1.0)
     assert time.monotonic() - resumed <= ttl + 0.5
-    # The release gave up on the hung node (no reply within node_timeout), so the SET did land
-    # there after the release: it was seen, with our value and at most the ttl.
+    # The release gave up on the hung node, so the SET did land there after the release: it
+    # was seen, with our value and at most the ttl.
     assert seen
     for value, remaining_ms in seen:
         assert value == lock.value

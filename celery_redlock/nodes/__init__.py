@@ -14,7 +14,7 @@ quorum.
 
 from __future__ import annotations
 
-from .channel import NO_REPLY
+from .channel import HUNG_AFTER, NO_REPLY, hung_after
 from .endpoint import (
     ACL_HINT,
     FIRST_BACKOFF_SECONDS,
@@ -32,6 +32,7 @@ from .urls import member_from_url, members_from_urls
 __all__ = [
     "ACL_HINT",
     "FIRST_BACKOFF_SECONDS",
+    "HUNG_AFTER",
     "MAX_BACKOFF_SECONDS",
     "NO_REPLY",
     "Endpoint",
@@ -44,6 +45,7 @@ __all__ = [
     "RoundResult",
     "StandaloneNode",
     "describe_failure",
+    "hung_after",
     "member_from_url",
     "members_from_urls",
     "pack_command",

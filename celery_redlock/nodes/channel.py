@@ -32,6 +32,17 @@ READ_SIZE = 65536
 IDLE_CHECK_SECONDS = 0.25
 """A connection idle this long is checked for a server that closed it before it is used."""
 
+HUNG_AFTER = 1.0
+"""Seconds the oldest reply owed on a connection may be late before its server counts as hung
+(when the node timeout is shorter): the connection is then closed and the node backed off. A
+reply later than the node timeout but sooner than this only misses its round, so a server that
+is slow for a moment (a fork, an fsync, a busy CPU) keeps its connection and its scripts."""
+
+
+def hung_after(node_timeout: float) -> float:
+    """Seconds of silence after which a server with this node timeout counts as hung."""
+    return max(node_timeout, HUNG_AFTER)
+
 
 class _NoReply:
     """Marks a slot (or a node in a round) that got no usable reply."""

@@ -117,7 +117,7 @@ class Reactor:
         Safe against an exception raised at any point by a signal handler (a soft time limit):
         the reading role is always given back, and the waiter taken off the list, on the way
         out, where the reading is handed over once."""
-        reading = False
+        reading = looked = False
         try:
             while True:
                 with self.lock:
@@ -125,8 +125,15 @@ class Reactor:
                         self._reading = False
                         reading = False
                     now = time.monotonic()
-                    if waiting.satisfied or waiting.attention or now >= deadline:
+                    if waiting.satisfied or waiting.attention:
                         return waiting.satisfied
+                    if now >= deadline:
+                        # A thread the CPU got to late may find its replies arrived in time,
+                        # unread: one last look (without waiting) before it gives up on them.
+                        if looked or self._reading:
+                            return waiting.satisfied
+                        looked = True
+                        deadline = now
                     if not self._reading:
                         reading = True  # first: an interruption in between leaves no role held
                         self._reading = True
@@ -160,15 +167,19 @@ class Reactor:
                 return
 
     def _read_until(self, waiting: Waiting, deadline: float) -> None:
+        """Read until ``waiting`` is satisfied or calls for attention, or ``deadline`` passes;
+        at least one look, without waiting, even when it has passed already."""
         wake_descriptor = self._wake_reader_read
+        looked = False
         while not (waiting.satisfied or waiting.attention):
-            now = time.monotonic()
-            if now >= deadline:
+            left = deadline - time.monotonic()
+            if left <= 0 and looked:
                 return
+            looked = True
             with self.lock:
                 by_descriptor = {channel.fileno(): channel for channel in self.channels}
             by_descriptor.pop(-1, None)
-            ready = wait_readable([wake_descriptor, *by_descriptor], deadline - now)
+            ready = wait_readable([wake_descriptor, *by_descriptor], max(left, 0.0))
             answered: list[Slot] = []
             try:
                 for descriptor in ready:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..scripts import Script
-from .channel import NO_REPLY, Channel, Slot
+from .channel import NO_REPLY, Channel, Slot, hung_after
 from .endpoint import Endpoint
 from .members import LockNode
 from .reactor import Reactor, Waiting
@@ -219,10 +219,10 @@ class Round(Waiting):
             call.slots = [call.main]
         self.calls[index] = call
         self.why_not[index] = None
-        # A server still owing a reply older than node_timeout is hung: the command is not
-        # queued behind it, and the server is backed off (the slots fail at once).
+        # A server owing a reply for longer than hung_after is hung: the command is not queued
+        # behind it, and the server is backed off (the slots fail at once).
         channel = self.connections.channel(endpoint)
-        failed = channel.send(packed, call.slots, late_after=self.node_timeout)
+        failed = channel.send(packed, call.slots, late_after=hung_after(self.node_timeout))
         if failed:
             self.connections.reactor.deliver(failed)
 
@@ -363,15 +363,16 @@ class Round(Waiting):
         self._send(index, node, redirect.endpoint, packed, asking=redirect.asking)
 
     def _time_out(self) -> None:
-        """Whoever is still silent is hung or far away: their connections fail (and every slot
-        waiting on them, other rounds' too), and they are backed off."""
+        """Whoever is still silent misses this round; a server silent for longer than
+        `hung_after` is hung: its connection fails (and every slot waiting on it, other rounds'
+        too), and it is backed off."""
         now = time.monotonic()
         failed: list[Slot] = []
         for call in self.calls:
             if call is not None and call.main is not None and not call.main.done:
                 channel = call.main.channel
                 if channel is not None:
-                    failed += channel.fail_if_late(now, self.node_timeout)
+                    failed += channel.fail_if_late(now, hung_after(self.node_timeout))
         reactor = self.connections.reactor
         reactor.deliver(failed)
         with reactor.lock:

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 
 from ..scripts import Script
-from .channel import Slot
+from .channel import Slot, hung_after
 from .endpoint import Endpoint
 from .members import LockNode
 from .resp import ErrorReply, pack_command
@@ -52,7 +52,7 @@ class Unattended:
         if asking:  # ASKING's own reply comes first, and is of no interest
             slots.insert(0, Slot(None, "asking"))
         channel = self.connections.channel(endpoint)
-        failed = channel.send(packed, slots, late_after=self.node_timeout)
+        failed = channel.send(packed, slots, late_after=hung_after(self.node_timeout))
         if failed:
             self.connections.reactor.deliver(failed)
 
