@@ -16,7 +16,7 @@ from redlock_support import pttl_on, value_on, values_on, wait_until
 from celery_redlock import Lock, LockNotAcquired, QuorumUnavailable, Redlock
 from celery_redlock.nodes import hung_after
 from celery_redlock.redlock import Held
-from celery_redlock.testing import RedisNodes
+from celery_redlock.testing import RedisNodes, RedisServer
 
 # --- quorum ------------------------------------------------------------------------------------
 
@@ -284,6 +284,7 @@ def test_a_release_queued_behind_a_late_set_removes_it(three_nodes):
     # out behind the SET, and the node runs both, in order, once it runs again.
     dlm = Redlock(three_nodes.urls, node_timeout=0.05)
     dlm.release(dlm.acquire("warm-up", ttl=1.0))  # open connections: the SET gets sent
+    connections_before = connections_received(three_nodes[0])
     three_nodes[0].pause()
     try:
         lock = dlm.acquire("queued", ttl=10.0)
@@ -292,9 +293,24 @@ def test_a_release_queued_behind_a_late_set_removes_it(three_nodes):
         assert dlm.release(lock) is True
     finally:
         three_nodes[0].resume()
-    with three_nodes[0].client(socket_timeout=2) as client:
-        assert client.ping()  # the paused node has run what it had been sent
+    assert connections_received(three_nodes[0]) == connections_before + 1  # ours: no new one
     assert values_on(three_nodes, lock.key) == [None] * 3
+
+    # Back in the rounds (by a late reply or by the probe): a lock is on every node again.
+    def on_every_node() -> bool:
+        again = dlm.acquire("queued", ttl=10.0)
+        assert again is not None
+        everywhere = values_on(three_nodes, again.key) == [again.value] * 3
+        assert dlm.release(again) is True
+        return everywhere
+
+    assert wait_until(on_every_node, timeout=3.0)
+
+
+def connections_received(server: RedisServer) -> int:
+    """Connections the server has accepted so far (asking opens one more)."""
+    with server.client(socket_timeout=2) as client:
+        return int(client.info("stats")["total_connections_received"])
 
 
 def test_a_set_landing_after_the_release_expires_within_the_ttl(three_nodes):

@@ -33,10 +33,11 @@ IDLE_CHECK_SECONDS = 0.25
 """A connection idle this long is checked for a server that closed it before it is used."""
 
 HUNG_AFTER = 1.0
-"""Seconds the oldest reply owed on a connection may be late before its server counts as hung
-(when the node timeout is shorter): the connection is then closed and the node backed off. A
-reply later than the node timeout but sooner than this only misses its round, so a server that
-is slow for a moment (a fork, an fsync, a busy CPU) keeps its connection and its scripts."""
+"""Seconds a server may owe replies without sending anything before it counts as hung (when
+the node timeout is shorter), and its connection is closed. A server silent for longer than the
+node timeout is backed off, but keeps its connection and its scripts until then; one that keeps
+answering, only late (a fork, an fsync, a busy CPU), is neither backed off nor reconnected to
+by every client at once: its late reply only misses its round."""
 
 
 def hung_after(node_timeout: float) -> float:
@@ -114,6 +115,7 @@ class Channel:
         self._outbox: list[bytes] = []
         self._writing = False
         self._last_used = 0.0
+        self._last_received = 0.0  # when bytes last arrived from the server
 
     def fileno(self) -> int:
         """The connection's descriptor, -1 while it is closed."""
@@ -138,8 +140,9 @@ class Channel:
     ) -> list[Slot]:
         """Queue ``payload``, whose replies go to ``slots`` in order, and write it (with whatever
         else is queued) unless another thread is writing, which then takes it along. Connects
-        first when needed. With ``late_after``, a connection whose oldest owed reply is that
-        many seconds late (and not waiting to be read) is failed first: the server is hung.
+        first when needed. With ``late_after``, a connection whose server has owed replies for
+        that many seconds without sending anything (nothing waits to be read) is failed first:
+        the server is hung.
         Returns the slots that failed (those of other callers too): they are answered with
         `NO_REPLY`, and the server is backed off."""
         queued = False
@@ -152,7 +155,7 @@ class Channel:
                     if pending:
                         if (
                             late_after is not None
-                            and now - pending[0].sent_at > late_after
+                            and self._silence_locked(now) > late_after
                             and not self._closed_by_server()
                         ):
                             failed = self._fail_locked(f"no reply within {late_after}s")
@@ -270,7 +273,7 @@ class Channel:
             with self.lock:
                 if generation != self.generation:
                     return  # the connection failed meanwhile; its slots were answered then
-                self._last_used = time.monotonic()
+                self._last_used = self._last_received = time.monotonic()
                 self._parser.feed(data)
                 while True:
                     reply = self._parser.next_reply()
@@ -303,12 +306,22 @@ class Channel:
                 return []
             return self._fail_locked(reason, back_off)
 
-    def fail_if_late(self, now: float, timeout: float) -> list[Slot]:
-        """Fail the connection if its oldest owed reply is more than ``timeout`` seconds late
-        (the server is hung or far away); returns the slots that failed with it."""
+    def silent_for(self, now: float, seconds: float) -> bool:
+        """True if the server has owed replies for ``seconds`` without sending anything (none
+        wait to be read): a server that is slow but answering is not silent, a hung one is."""
         with self.lock:
-            oldest = self._pending[0].sent_at if self._pending else None
-            if oldest is None or now - oldest <= timeout or self._closed_by_server():
+            return self._silence_locked(now) >= seconds and not self._closed_by_server()
+
+    def _silence_locked(self, now: float) -> float:
+        if not self._pending:
+            return 0.0
+        return now - max(self._pending[0].sent_at, self._last_received)
+
+    def fail_if_late(self, now: float, timeout: float) -> list[Slot]:
+        """Fail the connection if its server has owed replies for more than ``timeout`` seconds
+        without sending anything (it is hung or far away); returns the slots that failed."""
+        with self.lock:
+            if self._silence_locked(now) <= timeout or self._closed_by_server():
                 # Readable: the replies are there, unread (nobody waited for them); the next
                 # reader takes them in.
                 return []

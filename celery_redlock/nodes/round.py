@@ -363,16 +363,20 @@ class Round(Waiting):
         self._send(index, node, redirect.endpoint, packed, asking=redirect.asking)
 
     def _time_out(self) -> None:
-        """Whoever is still silent misses this round; a server silent for longer than
-        `hung_after` is hung: its connection fails (and every slot waiting on it, other rounds'
-        too), and it is backed off."""
+        """Whoever has not answered misses this round. A server that sent nothing for the node
+        timeout is backed off, and once silent for `hung_after` its connection fails (with
+        every slot waiting on it, other rounds' too). One that keeps answering, only late, is
+        left alone: its late replies are read and dropped."""
         now = time.monotonic()
         failed: list[Slot] = []
         for call in self.calls:
             if call is not None and call.main is not None and not call.main.done:
                 channel = call.main.channel
                 if channel is not None:
-                    failed += channel.fail_if_late(now, hung_after(self.node_timeout))
+                    failed_now = channel.fail_if_late(now, hung_after(self.node_timeout))
+                    if not failed_now and channel.silent_for(now, self.node_timeout):
+                        call.endpoint.mark_down(now, f"no reply within {self.node_timeout}s")
+                    failed += failed_now
         reactor = self.connections.reactor
         reactor.deliver(failed)
         with reactor.lock:
