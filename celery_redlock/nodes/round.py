@@ -247,6 +247,17 @@ class Round(Waiting):
         self._take(call)
         return None
 
+    def _send_unattended(self, call: NodeCall, reply: object) -> None:
+        """A round that succeeded while a member's NOSCRIPT (its script cache was emptied) was
+        still to be followed: the member runs the call anyway, with the source and unattended,
+        so that it holds what the others do. Sent before the round returns, so it goes out
+        ahead of whatever the caller sends next (a release)."""
+        noscript = isinstance(reply, ErrorReply) and reply.code == "NOSCRIPT"
+        if noscript and self.successes >= self.quorum:
+            packed = self._packed(by_source=True)
+            failed = self.connections.channel(call.endpoint).send(packed, [Slot(None, "late")])
+            self.connections.reactor.deliver(failed)
+
     def _take(self, call: NodeCall) -> None:
         assert call.main is not None
         index, reply, endpoint = call.index, call.main.reply, call.endpoint
@@ -335,8 +346,11 @@ class Round(Waiting):
             with reactor.lock:
                 follow_ups, self.follow_ups = self.follow_ups, []
                 self.attention = False
-                if self.satisfied:
-                    return
+                satisfied = self.satisfied
+            if satisfied:
+                for call, slot in follow_ups:
+                    self._send_unattended(call, slot.reply)
+                return
             if follow_ups:
                 for call, slot in follow_ups:
                     self._follow(call, slot.reply)
