@@ -216,9 +216,10 @@ def tests(session: nox.Session) -> None:
 @nox.session
 def topology(session: nox.Session) -> None:
     """The longer tests on real topologies: Redis Clusters (failovers, slot migrations) and
-    Sentinel groups (failovers) as lock nodes and the harness that runs them (marked
-    ``topology``), and the fleet under lock-node faults (marked ``fleet``). The `-m` given here
-    replaces the one of pyproject.toml's addopts; arguments after -- are added
+    Sentinel groups (failovers) as lock nodes and the harness that runs them, and two
+    django-celery-beat beats on one database with a kill (marked ``topology``), and the fleet
+    under lock-node faults (marked ``fleet``). The `-m` given here replaces the one of
+    pyproject.toml's addopts; arguments after -- are added
     (`nox -s topology -- tests/test_topology_cluster.py -x`)."""
     _install(session)
     session.run(

@@ -82,8 +82,12 @@ class FakeRedisServer:
 
     def __init__(self, reply: Reply) -> None:
         self._server = _Server(reply)
+        # A short poll interval: `stop` waits for the serving loop to notice the shutdown.
         self._thread = threading.Thread(
-            target=self._server.serve_forever, name="fake redis", daemon=True
+            target=self._server.serve_forever,
+            kwargs={"poll_interval": 0.02},
+            name="fake redis",
+            daemon=True,
         )
 
     @property

@@ -184,6 +184,7 @@ def wait_for_sends(
     )
 
 
+@pytest.mark.topology  # two beat processes and a kill: seconds; in `nox -s topology`
 def test_one_beat_sends_and_another_continues_after_a_kill_with_the_database_right(
     broker: RedisServer, locks: RedisNodes, entries: Any, database: Path, tmp_path: Path
 ) -> None:
