@@ -106,6 +106,7 @@ from pathlib import Path
 from typing import Any
 
 import redis
+from benchmark_support import server_version
 from celery import Celery, signals
 from celery_once import QueueOnce  # type: ignore[import-untyped]
 from celery_singleton import Singleton  # type: ignore[import-untyped]
@@ -710,20 +711,6 @@ def run_profiles(benchmark: Benchmark, variants: list[str], tasks: int, director
 # -- the report --------------------------------------------------------------------------------
 
 
-def _redis_server_version() -> str:
-    """The version of the redis-server binary the benchmark starts."""
-    try:
-        output = subprocess.run(
-            [find_redis_server(), "--version"], capture_output=True, text=True, timeout=10
-        ).stdout
-    except (OSError, RuntimeError, subprocess.SubprocessError):
-        return "?"
-    for part in output.split():
-        if part.startswith("v="):
-            return part[2:]
-    return output.strip() or "?"
-
-
 def environment() -> dict[str, str]:
     """Versions and machine, for the report."""
     return {
@@ -733,7 +720,7 @@ def environment() -> dict[str, str]:
         "celery": _version("celery"),
         "kombu": _version("kombu"),
         "redis-py": _version("redis"),
-        "redis-server": _redis_server_version(),
+        "redis-server": server_version(find_redis_server()).removeprefix("Redis server "),
         "celery-redlock": f"{_version('celery-redlock')} from "
         f"{os.path.dirname(os.path.abspath(celery_redlock.__file__))}",
         "celery-singleton": _version("celery-singleton"),

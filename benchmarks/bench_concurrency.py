@@ -59,7 +59,6 @@ import json
 import os
 import platform
 import selectors
-import signal
 import statistics
 import subprocess
 import sys
@@ -68,11 +67,13 @@ import threading
 import time
 import traceback
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Protocol
+
+from benchmark_support import cpu_model, interrupt_on_sigterm, server_version, variant_argument
 
 NODE_TIMEOUT = 0.05  # seconds: celery_redlock's default node_timeout, given to every client
 LOCK_TTL = 10.0  # seconds
@@ -878,19 +879,6 @@ def environment() -> dict[str, str]:
     """The machine and versions, for the report."""
     from celery_redlock.testing import find_redis_server
 
-    cpu = platform.processor() or "?"
-    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as info:
-        for line in info:
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    try:
-        server = subprocess.run(
-            [find_redis_server(), "--version"], capture_output=True, text=True, timeout=10
-        ).stdout.strip()
-    except (OSError, RuntimeError, subprocess.SubprocessError):
-        server = "redis-server ?"
-
     def version(distribution: str) -> str:
         try:
             return importlib.metadata.version(distribution)
@@ -898,11 +886,11 @@ def environment() -> dict[str, str]:
             return "not installed"
 
     return {
-        "cpu": cpu,
+        "cpu": cpu_model(),
         "cpus": str(os.cpu_count()),
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "redis_server": server.split(" sha=")[0],
+        "redis_server": server_version(find_redis_server()),
         "redis-py": version("redis"),
         "gevent": version("gevent"),
         "load_before": f"{os.getloadavg()[0]:.1f}",
@@ -910,27 +898,6 @@ def environment() -> dict[str, str]:
 
 
 # -- main ------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def interrupt_on_sigterm() -> Iterator[None]:
-    """Turn SIGTERM into KeyboardInterrupt so the servers are stopped on the way out."""
-
-    def handler(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def _variant(text: str) -> tuple[str, str]:
-    label, separator, directory = text.partition("=")
-    if not separator or not label or not directory:
-        raise argparse.ArgumentTypeError(f"expected LABEL=DIR, got {text!r}")
-    return label, os.path.abspath(directory)
 
 
 def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
@@ -953,7 +920,7 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--variant",
         action="append",
-        type=_variant,
+        type=variant_argument,
         default=[],
         metavar="LABEL=DIR",
         help="also measure the celery_redlock package copy in DIR as 'celery_redlock[LABEL]', in "

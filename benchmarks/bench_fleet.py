@@ -55,13 +55,11 @@ import argparse
 import contextlib
 import importlib.metadata
 import json
-import math
 import os
 import platform
 import random
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -73,6 +71,7 @@ from pathlib import Path
 from typing import Any
 
 import redis
+from benchmark_support import cpu_model, percentile, server_version
 from celery import Celery, signals
 
 import celery_redlock
@@ -551,41 +550,19 @@ def _wait_for_all(
 # -- the report -----------------------------------------------------------------------------
 
 
-def percentile(values: list[float], fraction: float) -> float:
-    """Nearest-rank percentile."""
-    ordered = sorted(values)
-    return ordered[max(1, math.ceil(fraction * len(ordered))) - 1]
-
-
 def _milliseconds(seconds: float) -> str:
     return f"{seconds * 1000:,.1f} ms"
 
 
 def machine() -> str:
     """The CPU model and count, and the memory, of this machine."""
-    model = platform.processor() or "?"
-    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as info:
-        for line in info:
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
     memory = ""
     with contextlib.suppress(OSError, ValueError), open("/proc/meminfo", encoding="utf-8") as info:
         for line in info:
             if line.startswith("MemTotal:"):
                 memory = f", {int(line.split()[1]) / 1024 / 1024:.1f} GiB RAM"
                 break
-    return f"{os.cpu_count()} CPUs ({model}){memory}, {platform.platform()}"
-
-
-def _redis_server_version() -> str:
-    try:
-        output = subprocess.run(
-            [find_redis_server(), "--version"], capture_output=True, text=True, timeout=10
-        ).stdout
-    except (OSError, RuntimeError, subprocess.SubprocessError):
-        return "?"
-    return next((part[2:] for part in output.split() if part.startswith("v=")), "?")
+    return f"{os.cpu_count()} CPUs ({cpu_model()}){memory}, {platform.platform()}"
 
 
 def markdown(result: FleetResult, load_before: float, load_after: float, took: float) -> str:
@@ -701,7 +678,7 @@ def markdown(result: FleetResult, load_before: float, load_after: float, took: f
         f"{THREADS} threads, the harness) on it. Load average (1 min) {load_before:.1f} before, "
         f"{load_after:.1f} after. Python {platform.python_version()}, celery "
         f"{importlib.metadata.version('celery')}, redis-py {importlib.metadata.version('redis')}, "
-        f"redis-server {_redis_server_version()}; celery_redlock from "
+        f"{server_version(find_redis_server())}; celery_redlock from "
         f"{', '.join(sorted(result.packages)) or '?'}. Workers ready in "
         f"{result.startup_seconds:.1f} s; took {took:.0f} s in all.",
     ]

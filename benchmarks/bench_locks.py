@@ -53,18 +53,18 @@ import logging
 import math
 import os
 import platform
-import signal
 import statistics
 import subprocess
 import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import redis
+from benchmark_support import interrupt_on_sigterm, percentile, server_version, variant_argument
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
@@ -326,13 +326,6 @@ def measure(cases: list[Case], rounds: int, warmup: int, label: str) -> None:
 # -- reporting --------------------------------------------------------------------------------
 
 
-def percentile(values: list[int], fraction: float) -> float:
-    """Nearest-rank percentile."""
-    ordered = sorted(values)
-    rank = max(1, math.ceil(fraction * len(ordered)))
-    return float(ordered[rank - 1])
-
-
 @dataclass
 class Row:
     library: str
@@ -518,45 +511,17 @@ def environment() -> dict[str, Any]:
             versions[library] = importlib.metadata.version(distribution)
         except importlib.metadata.PackageNotFoundError:
             versions[library] = "not installed"
-    server = find_redis_server()
-    try:
-        server_version = subprocess.run(
-            [server, "--version"], capture_output=True, text=True, timeout=10, check=False
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        server_version = "unknown"
     return {
         "celery_redlock": celery_redlock_source(),
         "python": platform.python_version(),
         "platform": platform.platform(),
         "cpus": os.cpu_count(),
-        "redis_server": server_version,
+        "redis_server": server_version(find_redis_server()),
         "versions": versions,
     }
 
 
 # -- main -------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def interrupt_on_sigterm() -> Iterator[None]:
-    """Turn SIGTERM into KeyboardInterrupt so the servers are stopped on the way out."""
-
-    def handler(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def _variant(text: str) -> tuple[str, str]:
-    label, separator, directory = text.partition("=")
-    if not separator or not label or not directory:
-        raise argparse.ArgumentTypeError(f"expected LABEL=DIR, got {text!r}")
-    return label, os.path.abspath(directory)
 
 
 def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
@@ -597,7 +562,7 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--variant",
         action="append",
-        type=_variant,
+        type=variant_argument,
         metavar="LABEL=DIR",
         help="also measure the celery_redlock package copy in DIR (a modified version, say) as "
         "'celery_redlock[LABEL]', in the same rounds (repeatable)",

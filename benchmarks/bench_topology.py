@@ -48,11 +48,9 @@ import gc
 import importlib.metadata
 import json
 import logging
-import math
 import os
 import platform
 import selectors
-import signal
 import statistics
 import subprocess
 import sys
@@ -64,6 +62,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from benchmark_support import cpu_model, interrupt_on_sigterm, percentile, server_version
 
 LOCK_TTL = 10.0  # seconds
 STANDALONE = "1 standalone node"
@@ -94,12 +94,6 @@ def make_manager(urls: Sequence[str], node_timeout: float, wait_replicas: int = 
         urls=tuple(urls), node_timeout=node_timeout, wait_replicas=wait_replicas
     )
     return Redlock.from_settings(settings)
-
-
-def percentile(sorted_values: Sequence[float], fraction: float) -> float:
-    """The nearest-rank percentile of already sorted values."""
-    rank = max(1, math.ceil(fraction * len(sorted_values)))
-    return sorted_values[rank - 1]
 
 
 def server_cpu_seconds(servers: Sequence[Any]) -> float:
@@ -503,36 +497,19 @@ def latency_cases(deployment: Deployment) -> list[LatencyCase]:
 # -- reporting --------------------------------------------------------------------------------
 
 
-def version_of(executable: str) -> str:
-    """``redis-server --version``'s first words (``Redis server v=7.0.15``)."""
-    try:
-        output = subprocess.run(
-            [executable, "--version"], capture_output=True, text=True, timeout=10
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return Path(executable).name + " ?"
-    return output.split(" sha=")[0]
-
-
 def environment() -> dict[str, str]:
     """The machine and versions, for the report."""
     from celery_redlock.testing import find_redis_server, find_valkey_server
 
-    cpu = platform.processor() or "?"
-    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as info:
-        for line in info:
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
     try:
-        valkey = version_of(find_valkey_server())
+        valkey = server_version(find_valkey_server())
     except RuntimeError:
         valkey = "no valkey-server"
     return {
-        "cpu": cpu,
+        "cpu": cpu_model(),
         "cpus": str(os.cpu_count()),
         "python": platform.python_version(),
-        "redis_server": version_of(find_redis_server()),
+        "redis_server": server_version(find_redis_server()),
         "valkey_server": valkey,
         "redis-py": importlib.metadata.version("redis"),
         "load_before": " / ".join(f"{value:.2f}" for value in os.getloadavg()),
@@ -726,20 +703,6 @@ def to_json(
 
 
 # -- main -------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def interrupt_on_sigterm() -> Iterator[None]:
-    """Turn SIGTERM into KeyboardInterrupt so the servers are stopped on the way out."""
-
-    def handler(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _topology(text: str) -> tuple[str, str]:
