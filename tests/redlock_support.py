@@ -4,7 +4,10 @@ fixtures of tests/conftest.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterable
 from typing import Protocol
@@ -95,3 +98,42 @@ class Stopwatch:
 
     def __exit__(self, *exc_info: object) -> None:
         self.elapsed = time.monotonic() - self.started
+
+
+def run_together(script: str, argument: str, count: int, timeout: float) -> list[str]:
+    """Run ``python -c script argument`` in ``count`` processes that start work together: each
+    prints ``ready`` once set up, and gets ``go`` on its standard input when all have. Returns
+    the standard error of those that exited with a status other than 0 (an empty list: all
+    succeeded); processes still running after ``timeout`` seconds are killed."""
+    with contextlib.ExitStack() as stack:  # each Popen closes its pipes on exit
+        processes = [
+            stack.enter_context(
+                subprocess.Popen(
+                    [sys.executable, "-c", script, argument],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+            )
+            for _ in range(count)
+        ]
+        try:
+            for process in processes:
+                assert process.stdout is not None
+                assert process.stdout.readline().strip() == "ready"
+            for process in processes:
+                assert process.stdin is not None
+                process.stdin.write("go\n")
+                process.stdin.flush()
+            codes = [process.wait(timeout=timeout) for process in processes]
+        finally:
+            for process in processes:
+                if process.poll() is None:
+                    process.kill()
+                    process.wait()
+        return [
+            process.stderr.read() if process.stderr is not None else f"exit status {code}"
+            for process, code in zip(processes, codes, strict=True)
+            if code != 0
+        ]

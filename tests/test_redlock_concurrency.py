@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
-from redlock_support import Stopwatch, pttl_on, value_on, values_on, wait_until
+from redlock_support import Stopwatch, pttl_on, run_together, value_on, values_on, wait_until
 
 from celery_redlock import LockNotAcquired, Redlock
 
@@ -116,37 +113,10 @@ def test_processes_never_hold_the_lock_together(three_nodes, tmp_path: Path):
     counter_path.write_text("0")
     log_path.write_text("")
     argument = json.dumps([three_nodes.urls, cycles, str(log_path), str(counter_path)])
-    with contextlib.ExitStack() as stack:  # each Popen closes its pipes on exit
-        workers = [
-            stack.enter_context(
-                subprocess.Popen(
-                    [sys.executable, "-c", _PROCESS_WORKER, argument],
-                    stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    text=True,
-                )
-            )
-            for _ in range(processes_count)
-        ]
-        try:
-            for process in workers:
-                assert process.stdout is not None
-                assert process.stdout.readline().strip() == "ready"
-            with Stopwatch() as watch:
-                for process in workers:
-                    assert process.stdin is not None
-                    process.stdin.write("go\n")
-                    process.stdin.flush()
-                codes = [process.wait(timeout=40) for process in workers]
-        finally:
-            for process in workers:
-                if process.poll() is None:
-                    process.kill()
-                    process.wait()
-        errors = [process.stderr.read() for process in workers if process.stderr is not None]
+    with Stopwatch() as watch:
+        errors = run_together(_PROCESS_WORKER, argument, processes_count, timeout=40)
     print(f"\n{processes_count} processes x {cycles} cycles: {watch.elapsed:.2f} s")
-    assert codes == [0] * processes_count, errors
+    assert not errors, errors
 
     intervals = []
     for line in log_path.read_text().splitlines():

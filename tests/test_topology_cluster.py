@@ -7,11 +7,8 @@ and the operators' API and CLI reading every master. Seconds each: marked ``topo
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -22,7 +19,7 @@ import pytest
 from celery import Celery
 from celery_apps.support import RunLog, embedded_worker, make_app
 from cli_support import as_json, invoke
-from redlock_support import value_on, wait_until
+from redlock_support import run_together, value_on, wait_until
 from topology_support import Rival, lock_managers, unique
 
 from celery_redlock import (
@@ -179,35 +176,8 @@ def test_processes_never_hold_a_cluster_lock_together(
     counter_path.write_text("0")
     log_path.write_text("")
     argument = json.dumps([cluster.url, resource, cycles, str(log_path), str(counter_path)])
-    with contextlib.ExitStack() as stack:
-        workers = [
-            stack.enter_context(
-                subprocess.Popen(
-                    [sys.executable, "-c", _PROCESS_WORKER, argument],
-                    stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    text=True,
-                )
-            )
-            for _ in range(processes_count)
-        ]
-        try:
-            for process in workers:
-                assert process.stdout is not None
-                assert process.stdout.readline().strip() == "ready"
-            for process in workers:
-                assert process.stdin is not None
-                process.stdin.write("go\n")
-                process.stdin.flush()
-            codes = [process.wait(timeout=60) for process in workers]
-        finally:
-            for process in workers:
-                if process.poll() is None:
-                    process.kill()
-                    process.wait()
-        errors = [process.stderr.read() for process in workers if process.stderr is not None]
-    assert codes == [0] * processes_count, errors
+    errors = run_together(_PROCESS_WORKER, argument, processes_count, timeout=60)
+    assert not errors, errors
 
     intervals = []
     for line in log_path.read_text().splitlines():
