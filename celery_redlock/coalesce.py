@@ -67,7 +67,7 @@ def coalesce(run: CoalescingRun, holder_text: str) -> Outcome:
         raise join_pending(run, pending, holder_text)
     if run.request.is_eager:
         return run.attempt(wait=plan.wait)
-    run.publish_again(plan.ttl + 1.0)
+    insured = insure(run, plan.ttl + 1.0)
     reservation = redlock.reserve(lock.resource, plan.ttl, lock.owner, token=lock.token)
     if not isinstance(reservation, Acquired):
         if isinstance(reservation, Held) and run.record is not None:
@@ -75,6 +75,8 @@ def coalesce(run: CoalescingRun, holder_text: str) -> Outcome:
             # completed so that the copy just published is acknowledged when it comes.
             redlock.release(lock, record=run.record)
             raise join_pending(run, reservation, holder_text)
+        if not insured:
+            return reservation  # no copy of it decides later: this delivery decides now
         logger.info(
             "task %s[%s] lost the race for the reservation of %s; its copy decides later",
             run.task.name,
@@ -89,6 +91,23 @@ def coalesce(run: CoalescingRun, holder_text: str) -> Outcome:
     finally:
         run.runtime.keeper.stop(kept)
         redlock.release(reservation.lock, confirm=False)
+
+
+def insure(run: CoalescingRun, countdown: float) -> bool:
+    """Publish a deferred copy of the run about to become pending, so that its work survives
+    the death of its process; False when the broker did not take it (the run goes on without)."""
+    try:
+        run.publish_again(countdown)
+    except Exception as error:  # the broker refused it, or could not be reached
+        logger.warning(
+            "task %s[%s] goes on without a copy of itself in the broker (publishing it failed: "
+            "%r): its work is lost if its process dies before it runs, unless it acks late",
+            run.task.name,
+            run.task_id,
+            error,
+        )
+        return False
+    return True
 
 
 def join_pending(run: CoalescingRun, pending: Held, holder_text: str) -> Ignore:

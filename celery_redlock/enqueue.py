@@ -11,10 +11,10 @@ from typing import Any
 
 from celery.utils import uuid
 
+from .deferral import DEFERRED_HEADER
 from .keys import as_delivered
 from .outcomes import Acquired, Held, Lock, Unavailable
 from .owner import Owner
-from .run import DEFERRED_HEADER
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import random
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -31,6 +30,7 @@ from celery.exceptions import Ignore, Reject, Retry
 
 from . import events, keyspace, signals
 from .coalesce import coalesce
+from .deferral import DeferralNotPublished, publish_again, wait_instead
 from .errors import (
     AlreadyCompleted,
     DuplicateSkipped,
@@ -64,9 +64,6 @@ UNAVAILABLE_PATIENCE = 10.0
 UNAVAILABLE_LONGEST_PAUSE = 0.5
 """The longest pause between two attempts while no quorum answers (jittered up to 0.75 s): with
 the nodes' own back-off of at most 0.5 s, runs start within about a second of their return."""
-
-DEFERRED_HEADER = "celery_redlock_deferred"
-"""Message header of a run published again by this library (never de-duplicated at enqueue)."""
 
 UNAVAILABLE_SINCE_HEADER = "celery_redlock_unavailable_since"
 """Message header: when a run first found no quorum (``redlock_unavailable_timeout`` counts
@@ -112,7 +109,7 @@ class Run:
         setattr(self.request, RUN_ATTRIBUTE, self)
         try:
             lock = self.take_lock()
-        except (Ignore, Retry, RedlockError):
+        except (Ignore, Reject, Retry, RedlockError):
             self.forget()  # a decision: every round was released
             raise
         if lock is None:  # on_unavailable="run": documented as unguarded
@@ -163,7 +160,11 @@ class Run:
             if action is Action.ACKNOWLEDGE:
                 raise self.acknowledge()
             if action is Action.DEFER:
-                raise self.defer_past(outcome, relation, holder)
+                try:
+                    raise self.defer_past(outcome, relation, holder)
+                except DeferralNotPublished as failure:
+                    outcome = wait_instead(self, outcome, failure)
+                    continue
             if action is Action.RAISE:
                 if isinstance(outcome, Unavailable):
                     self.report_unavailable(outcome)
@@ -190,7 +191,10 @@ class Run:
                 outcome = self.wait_for_nodes(outcome)
             else:
                 assert action is Action.COALESCE
-                outcome = coalesce(self, self.holder_text(outcome))
+                try:
+                    outcome = coalesce(self, self.holder_text(outcome))
+                except DeferralNotPublished as failure:
+                    outcome = wait_instead(self, outcome, failure)
                 may_wait = False
 
     def attempt(self, wait: float = 0.0, rounds: int | None = None) -> Outcome:
@@ -327,8 +331,10 @@ class Run:
                 raise outcome.error
             if time.monotonic() >= patience_ends:
                 headers = {UNAVAILABLE_SINCE_HEADER: since}
-                why = "no quorum of lock nodes"
-                raise self.defer(UNAVAILABLE_LONGEST_PAUSE, why, headers)
+                try:
+                    raise self.defer(UNAVAILABLE_LONGEST_PAUSE, "no quorum of lock nodes", headers)
+                except DeferralNotPublished as failure:
+                    return wait_instead(self, outcome, failure)
             time.sleep(jittered(pause))
             pause = min(pause * 2, UNAVAILABLE_LONGEST_PAUSE)
             # One round per try: this loop is the retry, and each round waits for the probes of
@@ -383,26 +389,23 @@ class Run:
 
     def defer(self, countdown: float, why: str, headers: dict[str, Any] | None = None) -> Ignore:
         """Publish this very message again to run after ``countdown`` seconds, and end this
-        delivery: the work lives on in the new message."""
+        delivery: the work lives on in the new message. Raises `DeferralNotPublished` when the
+        broker does not take it (the delivery goes on: `celery_redlock.deferral.wait_instead`)."""
         if self.request.is_eager:
             raise LockNotAcquired(self.lock.key, why)
-        countdown = self.publish_again(countdown, headers)
+        try:
+            countdown = self.publish_again(countdown, headers)
+        except Exception as error:  # the broker refused it, or could not be reached
+            raise DeferralNotPublished(why, error) from error
         logger.info(
             "task %s[%s] deferred by %.1fs: %s", self.task.name, self.task_id, countdown, why
         )
         return Ignore()
 
     def publish_again(self, countdown: float, headers: dict[str, Any] | None = None) -> float:
-        """Publish this very message again (same id, same attempt, same message identity, every
-        option) to run after about ``countdown`` seconds; returns the countdown used."""
-        request = self.request
-        message_headers = {**(request.headers or {}), DEFERRED_HEADER: True, **(headers or {})}
-        countdown += random.uniform(0.0, 0.5)  # copies published together come back apart
-        again = self.task.signature_from_request(
-            request, countdown=countdown, headers=message_headers
-        )
-        again.apply_async()
-        return countdown
+        """Publish this very message again to run after about ``countdown`` seconds (see
+        `celery_redlock.deferral.publish_again`); returns the countdown used."""
+        return publish_again(self.task, self.request, countdown, headers)
 
     def skip(self, skipped: DuplicateSkipped) -> Ignore:
         """Store the skip so a caller waiting on the result gets an answer instead of a hang,

@@ -5,6 +5,7 @@ whose worker dies: tests/test_guarantees_prefork.py)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
@@ -21,7 +22,7 @@ from redlock_support import collect_results_while_the_broker_is_up, values_on, w
 
 from celery_redlock import DuplicateCoalesced, SingletonTask, keyspace, singleton_task
 from celery_redlock.owner import Owner, owner_text_of
-from celery_redlock.testing import RedisNodes, RedisServer
+from celery_redlock.testing import RedisNodes, RedisServer, free_port
 
 pytest_plugins = ["celery_apps.fixtures"]
 
@@ -78,6 +79,38 @@ def test_a_flood_of_duplicates_runs_once_more_after_the_current_run(
     assert 0 <= second_run["start"] - first_run["end"] < 0.5
     assert key_gone(lock_nodes, first_run["key"])
     assert key_gone(lock_nodes, keyspace.reservation_key(first_run["key"]))
+
+
+def test_a_pending_run_whose_copy_the_broker_refuses_still_runs(
+    broker: RedisServer,
+    lock_nodes: RedisNodes,
+    run_log: RunLog,
+    lock_signals: LockSignals,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The worker publishes through an address where nothing listens (broker_write_url): the
+    # pending run cannot publish the copy of itself that insures it against its process dying.
+    # It goes on without one, and runs after the current run.
+    monkeypatch.setenv("TEST_BROKER", broker.url)  # start_worker checks the broker: a good one
+    caplog.set_level(logging.WARNING, logger="celery_redlock")
+    nowhere = f"redis://127.0.0.1:{free_port()}/0"
+    app = make_app(broker, lock_nodes, broker_write_url=nowhere, task_publish_retry=False)
+    gates = {1: threading.Event()}
+    _coalescing_task(app, run_log, gates)
+    publisher = make_app(broker, lock_nodes)
+
+    with embedded_worker(app, concurrency=2):
+        first = publisher.send_task("coalesce.refresh", ("report",), {"gate": 1})
+        run_log.wait_task_started(first.id)
+        pending = publisher.send_task("coalesce.refresh", ("report",))
+        lock_signals.wait("lock_duplicate", task_id=pending.id, policy="coalesce", timeout=10)
+        assert "without a copy of itself in the broker" in caplog.text
+        gates[1].set()
+        assert first.get(timeout=10) == first.id
+        assert pending.get(timeout=10) == pending.id
+
+    assert [run["task_id"] for run in run_log.runs()] == [first.id, pending.id]
 
 
 def test_a_duplicate_arriving_after_the_pending_run_started_runs_again(

@@ -29,11 +29,11 @@ from celery_apps.support import (
 )
 from redlock_support import value_on, values_on, wait_until
 
-from celery_redlock import DuplicateSkipped, LockLost, SingletonTask, singleton_task
+from celery_redlock import DuplicateSkipped, LockLost, SingletonTask, deferral, singleton_task
 from celery_redlock import run as run_module
 from celery_redlock.messages import MESSAGE_HEADER
 from celery_redlock.owner import Owner, lock_value, owner_text_of
-from celery_redlock.testing import RedisNodes, RedisServer
+from celery_redlock.testing import RedisNodes, RedisServer, free_port
 
 pytest_plugins = ["celery_apps.fixtures"]
 
@@ -118,6 +118,50 @@ def test_a_split_vote_outlasting_the_wait_is_deferred_briefly_not_for_its_ttl(
             with node.client() as client:
                 client.delete(key)
         assert result.get(timeout=5) == "ran"
+    assert [run["task_id"] for run in run_log.runs()] == [result.id]
+
+
+@pytest.mark.parametrize("acks_late", [False, True], ids=["acks-on-receipt", "acks-late"])
+def test_a_deferral_the_broker_does_not_take_loses_no_work(
+    broker: RedisServer,
+    lock_nodes: RedisNodes,
+    run_log: RunLog,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    acks_late: bool,
+) -> None:
+    # The worker publishes through a broker address where nothing listens (broker_write_url):
+    # every deferral fails to publish. A split vote outlasting the in-process wait must not end
+    # the delivery: it waits in its process (acknowledged on receipt) or goes back to the broker
+    # (acks_late), and runs once the vote is settled.
+    monkeypatch.setattr(run_module, "IN_PROCESS_WAIT", 0.3)
+    monkeypatch.setattr(deferral, "UNPUBLISHED_PAUSE", 0.3)
+    monkeypatch.setattr(deferral, "ACKS_LATE_PATIENCE", 0.5)
+    caplog.set_level(logging.INFO, logger="celery_redlock")
+    nowhere = f"redis://127.0.0.1:{free_port()}/0"
+    monkeypatch.setenv("TEST_BROKER", broker.url)  # start_worker checks the broker: a good one
+    app = make_app(broker, lock_nodes, broker_write_url=nowhere, task_publish_retry=False)
+    name = f"edge.unpublished_{acks_late}"
+
+    @singleton_task(app=app, shared=False, bind=True, name=name, lock_args=(), acks_late=acks_late)
+    def job(self: SingletonTask) -> str:
+        with run_log.run(self.lock.key, task_id=self.request.id):
+            return "ran"
+
+    key = job.lock_key_for()
+    for node, letter in zip(lock_nodes.servers[:2], "ab", strict=False):
+        with node.client() as client:
+            client.set(key, lock_value(letter * 40, f"crashed owner {letter}"), px=60_000)
+    publisher = make_app(broker, lock_nodes)
+    with embedded_worker(app, concurrency=1):
+        result = publisher.send_task(name)
+        expected = "goes back to the broker" if acks_late else "waits in its process instead"
+        assert wait_until(lambda: expected in caplog.text, timeout=15), caplog.text
+        assert "could not be deferred" in caplog.text
+        for node in lock_nodes.servers[:2]:
+            with node.client() as client:
+                client.delete(key)
+        assert result.get(timeout=15) == "ran"
     assert [run["task_id"] for run in run_log.runs()] == [result.id]
 
 
