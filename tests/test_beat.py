@@ -51,9 +51,9 @@ def test_periodic_task_outlasting_its_interval_never_overlaps(
         beat = BeatProcess(APP_MODULE, tmp_path / "schedule", environment)
         processes.append(beat.start())
 
-        # Three full runs take at least 3 x 2.5 s; the ticks between them must be skipped.
+        # Two full runs take at least 2 x 2.5 s; the ticks between them must be skipped.
         assert wait_until(
-            lambda: recorder.count("slow:runs") >= 3, timeout=30, interval=0.02, alive=processes
+            lambda: recorder.count("slow:runs") >= 2, timeout=30, interval=0.02, alive=processes
         ), _logs(worker, beat)
         beat.check_alive()
         worker.check_alive()
@@ -106,7 +106,7 @@ def test_two_beats_lock_hold_runs_each_tick_once(
             return sorted(slot for slot, count in slots.items() if count >= 2)
 
         assert wait_until(
-            lambda: len(doubled_slots()) >= 5, timeout=40, interval=0.02, alive=processes
+            lambda: len(doubled_slots()) >= 3, timeout=40, interval=0.02, alive=processes
         ), _logs(*processes)
         # The last slot's held run may still be under way: let it finish.
         wait_until(
@@ -130,7 +130,7 @@ def test_two_beats_lock_hold_runs_each_tick_once(
 
     # Both beats really ticked: without lock_hold the task ran twice in those slots (its first
     # run was over when the second tick came), and the held task was delivered twice in them.
-    assert len(doubled) >= 5, unheld
+    assert len(doubled) >= 3, unheld
     assert all(deliveries[slot] >= 2 for slot in doubled), (deliveries, doubled)
     # ... yet each tick of the held task ran exactly once; the second copy was skipped.
     assert all(count == 1 for count in held.values()), f"a tick ran twice: {held}"

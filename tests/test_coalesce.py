@@ -95,7 +95,14 @@ def test_a_pending_run_whose_copy_the_broker_refuses_still_runs(
     monkeypatch.setenv("TEST_BROKER", broker.url)  # start_worker checks the broker: a good one
     caplog.set_level(logging.WARNING, logger="celery_redlock")
     nowhere = f"redis://127.0.0.1:{free_port()}/0"
-    app = make_app(broker, lock_nodes, broker_write_url=nowhere, task_publish_retry=False)
+    app = make_app(
+        broker,
+        lock_nodes,
+        broker_write_url=nowhere,
+        task_publish_retry=False,
+        # A publish fails at once (by default it tries again for seconds).
+        broker_transport_options={"polling_interval": 0.1, "max_retries": 0},
+    )
     gates = {1: threading.Event()}
     _coalescing_task(app, run_log, gates)
     publisher = make_app(broker, lock_nodes)

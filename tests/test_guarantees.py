@@ -140,7 +140,14 @@ def test_a_deferral_the_broker_does_not_take_loses_no_work(
     caplog.set_level(logging.INFO, logger="celery_redlock")
     nowhere = f"redis://127.0.0.1:{free_port()}/0"
     monkeypatch.setenv("TEST_BROKER", broker.url)  # start_worker checks the broker: a good one
-    app = make_app(broker, lock_nodes, broker_write_url=nowhere, task_publish_retry=False)
+    app = make_app(
+        broker,
+        lock_nodes,
+        broker_write_url=nowhere,
+        task_publish_retry=False,
+        # A publish fails at once (by default it tries again for seconds).
+        broker_transport_options={"polling_interval": 0.1, "max_retries": 0},
+    )
     name = f"edge.unpublished_{acks_late}"
 
     @singleton_task(app=app, shared=False, bind=True, name=name, lock_args=(), acks_late=acks_late)
