@@ -1,13 +1,14 @@
 """Deferring a delivery: publishing its very message again to run later, which frees the pool
 process — and what the delivery does when the broker does not take that message.
 
-A deferral acknowledges the delivery only once its copy is published. When publishing fails (the
-broker is down or refuses, the producer's connection is lost), the delivery waits in its process
-instead, trying to publish again now and then, for as long as its time limits allow (half the
-tighter one, as a run waiting for lock nodes does). After that, a message acknowledged late
-(``acks_late``) is rejected and requeued: the broker still holds it and delivers it again. A
-message acknowledged on receipt is gone from the broker; with no time limit it waits as long as it
-takes, and with one it fails loudly at half that limit rather than be killed by it unrecorded.
+A deferral acknowledges the delivery only once its copy is published, and so does a retry that
+``on_duplicate="retry"`` asks of Celery. When publishing fails (the broker is down or refuses, the
+producer's connection is lost), the delivery waits for its lock in its process instead, trying to
+publish again every `UNPUBLISHED_PAUSE` seconds. A message acknowledged late (``acks_late``) waits
+`ACKS_LATE_PATIENCE` seconds at most (or half its tighter time limit), then is rejected and
+requeued: the broker still holds it and delivers it again. A message acknowledged on receipt is gone
+from the broker: with no time limit it waits as long as it takes, and with one it fails loudly at
+half the tighter limit rather than be killed by it unrecorded.
 """
 
 from __future__ import annotations
@@ -37,8 +38,9 @@ before its message goes back to the broker."""
 
 
 class DeferralNotPublished(Exception):
-    """The broker did not take a deferral; ``error`` says why. Raised by `Run.defer` and handled
-    by the run itself (`wait_instead`): it never reaches Celery or the caller."""
+    """The broker did not take a deferral or a retry; ``error`` says why. Raised by `Run.defer`
+    and `Run.retry` and handled by the run itself (`wait_instead`): it never reaches Celery or
+    the caller."""
 
     def __init__(self, why: str, error: BaseException) -> None:
         super().__init__(f"{why}; publishing the deferral failed: {error!r}")

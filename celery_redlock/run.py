@@ -159,8 +159,10 @@ class Run:
                 return None
             if action is Action.ACKNOWLEDGE:
                 raise self.acknowledge()
-            if action is Action.DEFER:
+            if action in (Action.DEFER, Action.RETRY):
                 try:
+                    if action is Action.RETRY:
+                        raise self.retry(outcome, holder)
                     raise self.defer_past(outcome, relation, holder)
                 except DeferralNotPublished as failure:
                     outcome = wait_instead(self, outcome, failure)
@@ -181,8 +183,6 @@ class Run:
                     self.holder_text(outcome),
                 )
                 raise self.skip(DuplicateSkipped(self.lock.key, self.holder_text(outcome)))
-            if action is Action.RETRY:
-                raise self.retry(outcome, holder)
             if action is Action.WAIT:
                 outcome = self.wait(outcome, relation, holder)
                 may_wait = False
@@ -427,7 +427,7 @@ class Run:
 
     def retry(self, outcome: Outcome, holder: Owner | None) -> Retry:
         """Celery's retry, backing off exponentially from one second, never beyond the holder's
-        remaining lock life."""
+        remaining lock life. Raises `DeferralNotPublished` when the broker does not take it."""
         assert isinstance(outcome, Held)
         self.report_duplicate("retry", holder)
         holder_text = self.holder_text(outcome)
@@ -441,9 +441,12 @@ class Run:
             self.lock.key,
             holder_text,
         )
-        retried: Retry = self.task.retry(
-            exc=LockNotAcquired(self.lock.key, holder_text), countdown=countdown
-        )
+        try:
+            retried: Retry = self.task.retry(
+                exc=LockNotAcquired(self.lock.key, holder_text), countdown=countdown
+            )
+        except Reject as rejected:  # Celery's answer when the broker did not take the retry
+            raise DeferralNotPublished("retrying", rejected.reason) from rejected
         return retried
 
     # -- reports -----------------------------------------------------------------------------

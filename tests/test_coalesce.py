@@ -16,13 +16,20 @@ from typing import Any
 import pytest
 from celery_apps.coalesce_app import REFRESH_TTL, refresh
 from celery_apps.subprocesses import WorkerProcess, app_environment, celery_processes, control_app
-from celery_apps.support import LockSignals, RunLog, embedded_worker, key_gone, make_app
+from celery_apps.support import (
+    LockSignals,
+    RunLog,
+    embedded_worker,
+    key_gone,
+    make_app,
+    make_app_publishing_nowhere,
+)
 from conftest import MakeRedisNodes
 from redlock_support import collect_results_while_the_broker_is_up, values_on, wait_until
 
 from celery_redlock import DuplicateCoalesced, SingletonTask, keyspace, singleton_task
 from celery_redlock.owner import Owner, owner_text_of
-from celery_redlock.testing import RedisNodes, RedisServer, free_port
+from celery_redlock.testing import RedisNodes, RedisServer
 
 pytest_plugins = ["celery_apps.fixtures"]
 
@@ -92,25 +99,14 @@ def test_a_pending_run_whose_copy_the_broker_refuses_still_runs(
     # The worker publishes through an address where nothing listens (broker_write_url): the
     # pending run cannot publish the copy of itself that insures it against its process dying.
     # It goes on without one, and runs after the current run.
-    monkeypatch.setenv("TEST_BROKER", broker.url)  # start_worker checks the broker: a good one
     caplog.set_level(logging.WARNING, logger="celery_redlock")
-    nowhere = f"redis://127.0.0.1:{free_port()}/0"
-    app = make_app(
-        broker,
-        lock_nodes,
-        broker_write_url=nowhere,
-        task_publish_retry=False,
-        # A publish fails at once (by default it tries again for seconds).
-        broker_transport_options={"polling_interval": 0.1, "max_retries": 0},
-    )
+    app = make_app_publishing_nowhere(broker, lock_nodes, monkeypatch)
     gates = {1: threading.Event()}
-    _coalescing_task(app, run_log, gates)
-    publisher = make_app(broker, lock_nodes)
-
-    with embedded_worker(app, concurrency=2):
-        first = publisher.send_task("coalesce.refresh", ("report",), {"gate": 1})
+    refresh = _coalescing_task(app, run_log, gates)
+    with app.connection_for_read() as good, embedded_worker(app, concurrency=2):
+        first = refresh.apply_async(("report",), {"gate": 1}, connection=good)
         run_log.wait_task_started(first.id)
-        pending = publisher.send_task("coalesce.refresh", ("report",))
+        pending = refresh.apply_async(("report",), connection=good)
         lock_signals.wait("lock_duplicate", task_id=pending.id, policy="coalesce", timeout=10)
         assert "without a copy of itself in the broker" in caplog.text
         gates[1].set()

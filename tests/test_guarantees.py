@@ -26,6 +26,7 @@ from celery_apps.support import (
     key_gone,
     lock_keys,
     make_app,
+    make_app_publishing_nowhere,
 )
 from redlock_support import value_on, values_on, wait_until
 
@@ -33,7 +34,7 @@ from celery_redlock import DuplicateSkipped, LockLost, SingletonTask, deferral, 
 from celery_redlock import run as run_module
 from celery_redlock.messages import MESSAGE_HEADER
 from celery_redlock.owner import Owner, lock_value, owner_text_of
-from celery_redlock.testing import RedisNodes, RedisServer, free_port
+from celery_redlock.testing import RedisNodes, RedisServer
 
 pytest_plugins = ["celery_apps.fixtures"]
 
@@ -138,16 +139,7 @@ def test_a_deferral_the_broker_does_not_take_loses_no_work(
     monkeypatch.setattr(deferral, "UNPUBLISHED_PAUSE", 0.3)
     monkeypatch.setattr(deferral, "ACKS_LATE_PATIENCE", 0.5)
     caplog.set_level(logging.INFO, logger="celery_redlock")
-    nowhere = f"redis://127.0.0.1:{free_port()}/0"
-    monkeypatch.setenv("TEST_BROKER", broker.url)  # start_worker checks the broker: a good one
-    app = make_app(
-        broker,
-        lock_nodes,
-        broker_write_url=nowhere,
-        task_publish_retry=False,
-        # A publish fails at once (by default it tries again for seconds).
-        broker_transport_options={"polling_interval": 0.1, "max_retries": 0},
-    )
+    app = make_app_publishing_nowhere(broker, lock_nodes, monkeypatch)
     name = f"edge.unpublished_{acks_late}"
 
     @singleton_task(app=app, shared=False, bind=True, name=name, lock_args=(), acks_late=acks_late)
@@ -159,9 +151,8 @@ def test_a_deferral_the_broker_does_not_take_loses_no_work(
     for node, letter in zip(lock_nodes.servers[:2], "ab", strict=False):
         with node.client() as client:
             client.set(key, lock_value(letter * 40, f"crashed owner {letter}"), px=60_000)
-    publisher = make_app(broker, lock_nodes)
-    with embedded_worker(app, concurrency=1):
-        result = publisher.send_task(name)
+    with app.connection_for_read() as good, embedded_worker(app, concurrency=1):
+        result = job.apply_async(connection=good)
         expected = "goes back to the broker" if acks_late else "waits in its process instead"
         assert wait_until(lambda: expected in caplog.text, timeout=15), caplog.text
         assert "could not be deferred" in caplog.text
@@ -170,6 +161,42 @@ def test_a_deferral_the_broker_does_not_take_loses_no_work(
                 client.delete(key)
         assert result.get(timeout=15) == "ran"
     assert [run["task_id"] for run in run_log.runs()] == [result.id]
+
+
+def test_a_retry_the_broker_does_not_take_waits_for_the_holder_and_runs(
+    broker: RedisServer,
+    lock_nodes: RedisNodes,
+    run_log: RunLog,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # on_duplicate="retry" asks Celery for a retry; Celery rejects the message (for good) when
+    # the broker does not take the retry. The duplicate waits for the holder instead, then runs.
+    monkeypatch.setattr(deferral, "UNPUBLISHED_PAUSE", 0.3)
+    caplog.set_level(logging.INFO, logger="celery_redlock")
+    app = make_app_publishing_nowhere(broker, lock_nodes, monkeypatch)
+    gate = threading.Event()
+    name = "edge.retry_unpublished"
+
+    @singleton_task(
+        app=app, shared=False, bind=True, name=name, lock_args=("item",), on_duplicate="retry"
+    )
+    def job(self: SingletonTask, item: int, hold: bool = False) -> int:
+        with run_log.run(self.lock.key, task_id=self.request.id):
+            if hold:
+                gate.wait(10)
+            return item
+
+    with app.connection_for_read() as good, embedded_worker(app, concurrency=2):
+        holder = job.apply_async((1,), {"hold": True}, connection=good)
+        run_log.wait_task_started(holder.id)
+        duplicate = job.apply_async((1,), connection=good)
+        expected = "could not be deferred (retrying"
+        assert wait_until(lambda: expected in caplog.text, timeout=15), caplog.text
+        gate.set()
+        assert holder.get(timeout=10) == 1
+        assert duplicate.get(timeout=10) == 1
+    assert [run["task_id"] for run in run_log.runs()] == [holder.id, duplicate.id]
 
 
 # -- exactly once per task id --------------------------------------------------------------------

@@ -24,6 +24,7 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import pytest
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 from kombu.asynchronous import set_event_loop
@@ -32,7 +33,7 @@ from redlock_support import values_on, wait_until
 from celery_apps.subprocesses import Recorder
 from celery_redlock import keyspace
 from celery_redlock import signals as lock_signals_module
-from celery_redlock.testing import RedisNodes, RedisServer
+from celery_redlock.testing import RedisNodes, RedisServer, free_port
 
 LOCK_EVENTS = "lock-events"  # the `RunLog` stream where celery_apps.prefork_app records signals
 
@@ -88,6 +89,28 @@ def make_app(
         app.conf.redlock_urls = urls
     app.conf.update(conf)
     return app
+
+
+def make_app_publishing_nowhere(
+    broker: RedisServer,
+    lock_nodes: RedisNodes,
+    monkeypatch: pytest.MonkeyPatch,
+    **conf: Any,
+) -> Celery:
+    """`make_app`, but for what it publishes: its ``broker_write_url`` is an address where
+    nothing listens, and a publish fails at once (every deferral or retry its worker publishes
+    fails); the embedded worker still consumes from ``broker``, which its start-up check is
+    pointed at. Publish the tasks with ``apply_async(...,
+    connection=app.connection_for_read())``."""
+    monkeypatch.setenv("TEST_BROKER", broker.url)  # start_worker's check of the broker
+    return make_app(
+        broker,
+        lock_nodes,
+        broker_write_url=f"redis://127.0.0.1:{free_port()}/0",
+        task_publish_retry=False,
+        broker_transport_options={"polling_interval": 0.1, "max_retries": 0},
+        **conf,
+    )
 
 
 @contextlib.contextmanager
