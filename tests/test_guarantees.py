@@ -575,18 +575,20 @@ def test_int_and_string_mapping_keys_share_a_key_only_where_the_worker_cannot_te
     broker: RedisServer, lock_nodes: RedisNodes
 ) -> None:
     for serializer, shared in (("json", True), ("pickle", False)):
-        app = make_app(broker, lock_nodes, task_serializer=serializer, accept_content=[serializer])
+        conf = {"task_serializer": serializer, "accept_content": [serializer]}
+        # Closed at the end: no worker closes this app's connections (publishing only).
+        with make_app(broker, lock_nodes, task_ignore_result=True, **conf) as app:
 
-        @singleton_task(
-            app=app, shared=False, name=f"edge.mapping_{serializer}", lock_on_enqueue=True
-        )
-        def job(value: Any) -> None:
-            """Only keyed, never run."""
+            @singleton_task(
+                app=app, shared=False, name=f"edge.mapping_{serializer}", lock_on_enqueue=True
+            )
+            def job(value: Any) -> None:
+                """Only keyed, never run."""
 
-        as_int, as_text = job.delay({1: "a"}), job.delay({"1": "a"})
-        assert (as_int.id == as_text.id) is shared, serializer
-        numbers = {job.delay(value).id for value in (1, 1.0, decimal.Decimal("1"), True)}
-        assert len(numbers) == 4  # numbers keep their type with both serializers
+            as_int, as_text = job.delay({1: "a"}), job.delay({"1": "a"})
+            assert (as_int.id == as_text.id) is shared, serializer
+            numbers = {job.delay(value).id for value in (1, 1.0, decimal.Decimal("1"), True)}
+            assert len(numbers) == 4  # numbers keep their type with both serializers
 
 
 def test_an_ignore_from_the_body_still_releases_and_completes(
