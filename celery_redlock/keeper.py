@@ -91,13 +91,14 @@ class LockKeeper:
         with self._wakeup:
             # Short runs stop long before their first extension is due: drop their entries in
             # bulk, or the thread wakes up once per finished run, a third of a ttl later.
+            # The count is an estimate (a lock kept without extension has no entry, and the
+            # thread takes stopped entries out unannounced): it only decides when to look, and
+            # only entries found stopped are dropped. When it reaches the queue's length, the
+            # queue may hold nothing live: the thread, finding it empty when it wakes (it is
+            # not woken for that), goes idle and ends (see `_run`).
             self._stopped_in_queue += 1
-            if self._stopped_in_queue >= len(self._queue):
-                # Nothing left to extend: the thread finds the queue empty when it wakes (it is
-                # not woken for that), then goes idle and ends (see `_run`).
-                self._queue = []
-                self._stopped_in_queue = 0
-            elif self._stopped_in_queue > max(16, len(self._queue) // 2):
+            queued = len(self._queue)
+            if self._stopped_in_queue >= queued or self._stopped_in_queue > max(16, queued // 2):
                 self._queue = [entry for entry in self._queue if not entry[2].stopped]
                 heapq.heapify(self._queue)
                 self._stopped_in_queue = 0

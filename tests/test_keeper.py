@@ -77,3 +77,34 @@ def test_a_lock_deleted_behind_the_keepers_back_is_set_again(one_node: RedisNode
     keeper.stop(kept)
     assert not kept.is_lost and lost == []
     assert redlock.release(lock) is True
+
+
+@pytest.mark.parametrize("stale", ["not-extended", "stopped-after-its-entry-ran"])
+def test_stopping_other_locks_never_drops_a_running_lock_from_the_keeper(
+    one_node: RedisNodes, stale: str
+) -> None:
+    # The keeper drops the entries of stopped locks in bulk. A stop that has no entry left in
+    # the queue (a lock kept without auto-extension, or one whose entry the thread already took
+    # out) must not make it drop the entry of a lock whose body still runs: that lock would
+    # expire under its body, and another worker could take it.
+    redlock = Redlock(one_node.urls, node_timeout=0.1)
+    keeper = LockKeeper(redlock)
+    lost: list[str] = []
+    running = redlock.acquire("running", ttl=0.6)
+    other = redlock.acquire("other", ttl=0.3)
+    assert running is not None and other is not None
+    if stale == "not-extended":
+        keeper.keep(running, lambda kept: lost.append(kept.lock.key))
+        keeper.stop(keeper.keep(other, lambda kept: lost.append(kept.lock.key), auto_extend=False))
+    else:
+        keeper.keep(running, lambda kept: lost.append(kept.lock.key))
+        stopped = keeper.keep(other, lambda kept: lost.append(kept.lock.key))
+        keeper.stop(stopped)  # its entry stays queued until it is due (0.1 s), then taken out
+        time.sleep(0.25)
+        third = redlock.acquire("third", ttl=5.0)
+        assert third is not None
+        keeper.stop(keeper.keep(third, lambda kept: lost.append(kept.lock.key)))
+    time.sleep(1.2)  # twice the running lock's own 0.6 s ttl
+    with one_node[0].client() as client:
+        assert client.pttl(running.key) > 0, "the running lock was no longer extended"
+    assert lost == []
