@@ -234,12 +234,12 @@ class Redlock:
                 result = self._group.run(scripts.ACQUIRE, keys, arguments, judge, grants=True)
                 outcome = self._outcome(acquisition, started, result)
             except BaseException:
-                self._release_value(key, value)  # an interrupted round may have set keys
+                self._release_value(key, value, ttl)  # an interrupted round may have set keys
                 raise
             if isinstance(outcome, Acquired):
                 return outcome
             # Release everywhere, including nodes that seemed to fail: a SET may have landed.
-            self._release_value(key, value)
+            self._release_value(key, value, ttl)
             if not isinstance(outcome, (Contended, Unavailable)):
                 return outcome
         return outcome or Unavailable(QuorumUnavailable(key, 0, self.quorum))
@@ -449,16 +449,25 @@ class Redlock:
         if record is not None:
             keys.append(record.key)
             arguments += [record.field, record.rank_text, max(1, int(record.ttl * 1000))]
-        result = self._group.run(scripts.RELEASE, keys, arguments, judge_zero_or_one, wait=confirm)
+        result = self._group.run(
+            scripts.RELEASE,
+            keys,
+            arguments,
+            judge_zero_or_one,
+            wait=confirm,
+            owed_for=max(lock.ttl, hold),
+        )
         lock.valid_until = 0.0
         return result.successes >= self.quorum
 
-    def _release_value(self, key: str, value: str, wait: bool = False) -> int:
+    def _release_value(self, key: str, value: str, ttl: float = 0.0, wait: bool = False) -> int:
         """Release ``value`` at ``key`` on every node (without waiting for the replies unless
-        ``wait``); returns on how many nodes it was released (0 when not waiting)."""
+        ``wait``); returns on how many nodes it was released (0 when not waiting). A node that
+        cannot be reached gets the release once it answers again, for the ``ttl`` seconds the
+        value may live."""
         keys, arguments = (key, keyspace.fence_key(key)), (value, 0)
         return self._group.run(
-            scripts.RELEASE, keys, arguments, judge_zero_or_one, wait=wait, every=wait
+            scripts.RELEASE, keys, arguments, judge_zero_or_one, wait=wait, every=wait, owed_for=ttl
         ).successes
 
     def release_stored(self, key: str, value: str) -> int:

@@ -6,10 +6,16 @@ A failure backs the server off for 0.25 s, doubling up to 0.5 s while it keeps f
 passes, a background thread probes it (connect, PING) and rounds take it back when it answers.
 The back-off is forgotten only when a round gets a good reply, so a server that answers PING but
 fails every command (out of memory, read-only) stays backed off.
+
+A server may run commands it was sent while it seemed down (a stalled server resumes and runs the
+SETs it holds). So a clean-up it could not be sent, or whose reply never came (`Endpoint.owe`), is
+kept and sent by the probe as soon as the server answers again, for as long as what it removes
+could still live: nothing a caller sent outlives it by more than a probe.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import os
@@ -23,8 +29,8 @@ from typing import Any
 import redis
 from redis.backoff import NoBackoff
 from redis.connection import AbstractConnection, Connection, ConnectionPool
+from redis.exceptions import AskError, MovedError, ResponseError
 from redis.exceptions import RedisError as RedisClientError
-from redis.exceptions import ResponseError
 from redis.retry import Retry
 
 from ..errors import ConfigurationError
@@ -34,6 +40,9 @@ logger = logging.getLogger(__name__)
 
 FIRST_BACKOFF_SECONDS = 0.25
 MAX_BACKOFF_SECONDS = 0.5  # a server that comes back is in use again within about a second
+MAX_OWED = 10_000
+"""Clean-ups kept per server while it does not answer; past that the oldest (those whose keys
+expire soonest) are dropped."""
 
 ACL_HINT = "apply the least-privilege ACL line of README's 'TLS, passwords, ACL users'"
 
@@ -135,7 +144,10 @@ class Endpoint:
         # No lock guards the probe: a lock held by another thread at a fork would stay held in
         # the child for ever. Two threads starting a probe at once merely probe twice.
         self._probing_pid = 0
+        self._probe_sleeping = False
         self._probe_finished = threading.Event()
+        # Clean-ups owed to the server: (monotonic time they are useless after, packed command).
+        self._owed: collections.deque[tuple[float, bytes]] = collections.deque()
 
     @classmethod
     def from_url(
@@ -207,33 +219,101 @@ class Endpoint:
         ).start()
 
     def _probe(self, finished: threading.Event) -> None:
+        """Probe the server once it is due; while clean-ups are owed to it, again after each
+        back-off until it answers (and is sent them) or they are no longer needed."""
+        try:
+            while True:
+                wait = self._down_until - time.monotonic()
+                if wait > 0:
+                    self._probe_sleeping = True
+                    time.sleep(wait)
+                    self._probe_sleeping = False
+                if self._probe_once() or not self._still_owed(time.monotonic()):
+                    return
+        finally:
+            self._probing_pid = 0
+            finished.set()
+            if self._still_owed(time.monotonic()):
+                self._start_probe()  # owed while this probe was finishing
+
+    def _probe_once(self) -> bool:
+        """Connect, PING, and send what is owed; True if the server answered all of it."""
         connection = self.connection_class(**self.options)
         try:
             connection.connect()
             # PING is in the least-privilege ACL README documents; a user denied it still shows
             # that the server answers (its NOPERM is an answer), so it does not count against it.
             connection.send_command("PING", check_health=False)
-            if connection.read_response() not in (b"PONG", "PONG"):
-                raise ResponseError("the server does not answer PING with PONG")
-        except ResponseError as error:
-            if str(error).startswith("NOPERM"):
-                self._suspect = False
-            else:
-                self.mark_down(time.monotonic(), error)
-        except (RedisClientError, OSError) as error:
+            try:
+                if connection.read_response() not in (b"PONG", "PONG"):
+                    raise ResponseError("the server does not answer PING with PONG")
+            except ResponseError as error:
+                if not str(error).startswith("NOPERM"):
+                    raise
+            self._pay(connection)
+        except Exception as error:  # whatever it is, the probe thread goes on (backed off)
             self.mark_down(time.monotonic(), error)
-        else:
-            self._suspect = False
+            return False
         finally:
             with contextlib.suppress(RedisClientError, OSError):
                 connection.disconnect()
-            self._probing_pid = 0
-            finished.set()
+        self._suspect = False
+        return True
+
+    # -- clean-ups owed ----------------------------------------------------------------------
+
+    def owe(self, packed: bytes, until: float) -> None:
+        """Send ``packed`` (a clean-up: an owner-checked delete, harmless when run again) to the
+        server once it answers again, unless the monotonic clock has passed ``until`` by then
+        (what it removes has expired). For a clean-up the server was not sent, or whose reply
+        never came: the server may still run what it was sent before."""
+        owed = self._owed
+        if len(owed) >= MAX_OWED:
+            owed.popleft()
+        owed.append((until, packed))
+        self._start_probe()
+
+    @property
+    def owed(self) -> int:
+        """How many clean-ups wait for the server to answer again."""
+        return len(self._owed)
+
+    def _still_owed(self, now: float) -> bool:
+        owed = self._owed
+        while owed and owed[0][0] <= now:
+            owed.popleft()  # roughly in order of expiry: enough to end the probing
+        return bool(owed)
+
+    def _pay(self, connection: AbstractConnection) -> None:
+        """Send every clean-up still needed on ``connection`` (a new one, which the server reads
+        after what the old connections hold) and read their replies; any that fail stay owed."""
+        owed, now = self._owed, time.monotonic()
+        batch = [owed.popleft() for _ in range(len(owed))]
+        batch = [(until, packed) for until, packed in batch if until > now]
+        if not batch:
+            return
+        unpaid: list[tuple[float, bytes]] = []
+        try:
+            connection.send_packed_command([b"".join(packed for _, packed in batch)], False)
+            for debt in batch:
+                try:
+                    connection.read_response()
+                except (MovedError, AskError):
+                    pass  # the key lives elsewhere now; so did the commands that set it
+                except ResponseError as error:
+                    unpaid.append(debt)  # out of memory, loading...: the key may be there
+                    self.last_error = describe_failure(error, self.options.get("username"))
+        except BaseException:
+            owed.extend(batch)
+            raise
+        if unpaid:
+            owed.extend(unpaid)
+            raise ResponseError(f"clean-ups refused: {self.last_error}")
 
     @property
     def probing(self) -> bool:
-        """True while this process's probe of the server is under way."""
-        return self._probing_pid == os.getpid()
+        """True while this process's probe of the server is under way (not waiting to be due)."""
+        return self._probing_pid == os.getpid() and not self._probe_sleeping
 
     def wait_for_probe(self, timeout: float) -> None:
         """Wait up to ``timeout`` seconds for the probe under way, if any, to finish."""

@@ -148,6 +148,7 @@ class NodeGroup:
         wait: bool = True,
         every: bool = False,
         grants: bool = False,
+        owed_for: float = 0.0,
     ) -> RoundResult:
         """Run ``script`` on every member at once and collect replies until the outcome is known.
 
@@ -156,16 +157,20 @@ class NodeGroup:
         with ``every=True`` only when every member answered or timed out (operators' commands
         that report per member). With ``wait=False`` the commands are only sent: their replies
         are read by a later round's reader and checked then (an error reply backs the server
-        off, and is logged). ``grants``: the script grants a
-        lock, which members with ``wait_replicas`` confirm only once replicas acknowledged it.
+        off, and is logged). ``grants``: the script grants a lock, which members with
+        ``wait_replicas`` confirm only once replicas acknowledged it. ``owed_for``: the script
+        is a clean-up (an owner-checked delete) of keys that may live this many seconds; a
+        member that is backed off or gives no reply gets it once it answers again (a stalled
+        server runs what it was sent before when it resumes).
         """
         members = Members(self.nodes, self.node_timeout, self.connections(), self.script_head)
+        owed_until = time.monotonic() + owed_for if owed_for > 0 else 0.0
         if not wait:
             head = self.script_head(script, True)
             packed = pack_command(len(keys), *keys, *arguments, head=head, head_count=2)
-            Unattended(members, script, judge, packed).send(keys[0])
+            Unattended(members, script, judge, packed, owed_until).send(keys[0])
             return RoundResult([], 0, 0, time.monotonic(), [])
-        round_ = Round(members, script, keys, arguments, judge, every, grants)
+        round_ = Round(members, script, keys, arguments, judge, every, grants, owed_until)
         try:
             round_.start(wait)
             round_.collect()

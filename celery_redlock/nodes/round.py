@@ -111,7 +111,11 @@ class Round(Waiting):
         judge: Judge,
         every: bool,
         grants: bool,
+        owed_until: float = 0.0,
     ) -> None:
+        """``owed_until``: for a clean-up (an owner-checked delete), the monotonic time until
+        which what it removes may live; a member that does not answer it is owed it
+        (`Endpoint.owe`) until then."""
         super().__init__()
         self.nodes = nodes = members.nodes
         self.node_timeout = members.node_timeout
@@ -124,6 +128,7 @@ class Round(Waiting):
         self.judge = judge
         self.every = every
         self.grants = grants  # a grant that must reach the replicas of members that wait for them
+        self.owed_until = owed_until
         count = len(nodes)
         self.replies: list[Any] = [NO_REPLY] * count
         self.why_not: list[str | None] = ["not asked"] * count
@@ -164,6 +169,11 @@ class Round(Waiting):
     def _packed(self, by_source: bool) -> bytes:
         return pack_command(*self.call, head=self.script_head(self.script, by_source), head_count=2)
 
+    def _owe(self, endpoint: Endpoint) -> None:
+        """A clean-up that ``endpoint`` did not answer is sent again once it answers."""
+        if self.owed_until:
+            endpoint.owe(self._packed(by_source=True), self.owed_until)
+
     def _skip(
         self, skipped: list[tuple[int, LockNode, Endpoint | None]], packed: bytes, wait: bool
     ) -> None:
@@ -177,6 +187,7 @@ class Round(Waiting):
         for _, node, endpoint in skipped:
             if endpoint is not None:
                 node.notice_failure(endpoint)
+                self._owe(endpoint)
         probing = [
             (index, node, endpoint)
             for index, node, endpoint in skipped
@@ -264,6 +275,7 @@ class Round(Waiting):
         node = self.nodes[index]
         if call.main.failure:
             node.notice_failure(endpoint)
+            self._owe(endpoint)
             self._settle(index, call.main.failure)
             return
         denied = [slot.reply for slot in call.slots if isinstance(slot.reply, ErrorReply)]
@@ -277,6 +289,7 @@ class Round(Waiting):
                 self._settle(index, f"the slot is moving: {reply}")
             else:
                 endpoint.mark_down(time.monotonic(), f"error reply: {reply}")
+                self._owe(endpoint)
                 self._settle(index, endpoint.last_error)
             return
         verdict = self.judge(reply)
@@ -397,6 +410,7 @@ class Round(Waiting):
             for call in self.calls:
                 if call is not None and call.main is not None and not call.main.done:
                     self.calls[call.index] = None
+                    self._owe(call.endpoint)
                     self._settle(call.index, f"no reply within {self.node_timeout}s")
             self.finished = True
 

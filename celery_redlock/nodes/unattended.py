@@ -2,7 +2,8 @@
 attempt that failed. They go to every member at once like a round, but the caller returns as
 soon as they are queued; their replies are read by whichever thread reads next, and checked then:
 an error reply, or one the script cannot give, backs the server off (and is logged), and a key
-that moved (MOVED, ASK) is followed to its new server."""
+that moved (MOVED, ASK) is followed to its new server. A server that is backed off, or gives no
+reply, is owed the call (`Endpoint.owe`): it gets it once it answers again."""
 
 from __future__ import annotations
 
@@ -20,25 +21,38 @@ from .round import FOLLOW_UPS_PER_MEMBER, Judge, Members
 class Unattended:
     """One script call sent to every member without waiting (see the module docstring)."""
 
-    __slots__ = ("connections", "judge", "node_timeout", "nodes", "packed", "script")
+    __slots__ = ("connections", "judge", "node_timeout", "nodes", "owed_until", "packed", "script")
 
-    def __init__(self, members: Members, script: Script, judge: Judge, packed: bytes) -> None:
+    def __init__(
+        self, members: Members, script: Script, judge: Judge, packed: bytes, owed_until: float
+    ) -> None:
         """``packed``: the whole command, EVAL and the script's source (not the SHA: nobody
-        would read a NOSCRIPT in time to send it again)."""
+        would read a NOSCRIPT in time to send it again). ``owed_until``: the monotonic time
+        until which what the call removes may live (0: nothing is owed)."""
         self.nodes = members.nodes
         self.node_timeout = members.node_timeout
         self.connections = members.connections
         self.script = script
         self.judge = judge
         self.packed = packed
+        self.owed_until = owed_until
 
     def send(self, key: str) -> None:
-        """Send the call to every member that is not backed off (routed by ``key``)."""
+        """Send the call to every member that is not backed off, and owe it to those that are
+        (routed by ``key``)."""
         now = time.monotonic()
         for node in self.nodes:
             endpoint = node.endpoint_for(key)
-            if endpoint is not None and not endpoint.is_backed_off(now):
+            if endpoint is None:
+                continue
+            if endpoint.is_backed_off(now):
+                self._owe(endpoint)
+            else:
                 self._send_to(node, endpoint, self.packed, FOLLOW_UPS_PER_MEMBER)
+
+    def _owe(self, endpoint: Endpoint) -> None:
+        if self.owed_until:
+            endpoint.owe(self.packed, self.owed_until)
 
     def _send_to(
         self,
@@ -62,6 +76,7 @@ class Unattended:
         reply = slot.reply
         if slot.failure:
             node.notice_failure(endpoint)
+            self._owe(endpoint)
             return None
         if isinstance(reply, ErrorReply):
             node.notice(reply, endpoint)
@@ -74,6 +89,7 @@ class Unattended:
                 return lambda: self._send_to(node, target, packed, follow - 1, asking)
             if reply.code not in ("MOVED", "ASK", "TRYAGAIN"):
                 endpoint.mark_down(time.monotonic(), f"error reply: {reply}")
+                self._owe(endpoint)
             return None
         if self.judge(reply) is None:
             why = f"a reply the {self.script.name} script cannot give: {reply!r:.80}"

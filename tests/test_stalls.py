@@ -1,0 +1,160 @@
+"""Nodes that stall for a moment (SIGSTOP for 50-200 ms, then SIGCONT) leave nothing behind.
+
+A stalled server still holds the commands it was sent, and runs them once it resumes: a SET of an
+attempt that failed meanwhile, an extension that timed out. Whatever clean-up the caller sent
+after that (the failed attempt's release, the lock's release) must reach that server too, even
+though it was backed off when the clean-up was sent: another caller then takes the lock within a
+second of the servers answering again, not after the whole ttl.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from celery_apps.subprocesses import WorkerProcess, app_environment, control_app
+from celery_apps.support import RunLog
+from redlock_support import collect_results_while_the_broker_is_up, value_on, wait_until
+
+from celery_redlock import QuorumUnavailable, Redlock
+from celery_redlock.testing import RedisNodes, RedisServer, celery_processes
+
+NODE_TIMEOUT = 0.05  # the default
+TTL = 30.0
+
+
+def _resume(servers, stall: float) -> float:
+    time.sleep(stall)
+    for server in servers:
+        server.resume()
+    return time.monotonic()
+
+
+def _taken_within(other: Redlock, resource: str, seconds: float) -> float | None:
+    """Seconds until ``other`` takes ``resource`` (trying every 20 ms), None if it never does."""
+    started = time.monotonic()
+    while time.monotonic() - started < seconds:
+        lock = other.acquire(resource, ttl=5.0)
+        if lock is not None:
+            other.release(lock)
+            return time.monotonic() - started
+        time.sleep(0.02)
+    return None
+
+
+@pytest.mark.parametrize("stalled", [1, 2], ids=["minority", "majority"])
+@pytest.mark.parametrize("stall", [0.05, 0.2])
+def test_a_stall_during_an_acquisition_leaves_no_lock_behind(three_nodes, stalled, stall):
+    caller = Redlock(three_nodes.urls, retry_count=1, node_timeout=NODE_TIMEOUT)
+    other = Redlock(three_nodes.urls, retry_count=1, node_timeout=0.5)
+    caller.release(caller.acquire("warm-up", ttl=1.0))  # connections open, scripts loaded
+    frozen = three_nodes.servers[3 - stalled :]
+    for server in frozen:
+        server.pause()
+    try:
+        lock = caller.acquire("stalled-attempt", ttl=TTL) if stalled == 1 else None
+        if stalled == 2:
+            with pytest.raises(QuorumUnavailable):
+                caller.acquire("stalled-attempt", ttl=TTL)
+        else:
+            assert lock is not None
+            caller.release(lock, confirm=False)  # what a finished run does
+    finally:
+        resumed = _resume(frozen, stall)
+    # The frozen servers now run the SET (and, for the minority, the lock's release) they held.
+    waited = _taken_within(other, "stalled-attempt", 3.0)
+    print(f"\n{stalled} of 3 stalled {stall * 1000:.0f} ms: taken again after {waited} s")
+    assert waited is not None and waited < 1.0, "the stalled attempt's SET outlived it"
+    key = caller.key_for("stalled-attempt")
+    assert wait_until(lambda: all(value_on(s, key) is None for s in three_nodes.servers), 1.0)
+    assert time.monotonic() - resumed < 2.0
+
+
+@pytest.mark.parametrize("stall", [0.05, 0.15])
+def test_a_release_after_a_timed_out_extension_reaches_the_stalled_nodes(three_nodes, stall):
+    caller = Redlock(three_nodes.urls, retry_count=1, node_timeout=NODE_TIMEOUT)
+    other = Redlock(three_nodes.urls, retry_count=1, node_timeout=0.5)
+    lock = caller.acquire("stalled-release", ttl=TTL)
+    assert lock is not None
+    frozen = three_nodes.servers[1:]
+    for server in frozen:
+        server.pause()
+    try:
+        assert caller.extend(lock) is False  # timed out: both stalled nodes are backed off
+        caller.release(lock, confirm=False)
+    finally:
+        _resume(frozen, stall)
+    waited = _taken_within(other, "stalled-release", 3.0)
+    print(f"\nrelease during a {stall * 1000:.0f} ms stall: taken again after {waited} s")
+    assert waited is not None and waited < 1.0, "the release never reached the stalled nodes"
+
+
+def test_a_confirmed_release_reaches_nodes_that_were_backed_off(three_nodes):
+    caller = Redlock(three_nodes.urls, retry_count=1, node_timeout=NODE_TIMEOUT)
+    lock = caller.acquire("confirmed-release", ttl=TTL)
+    assert lock is not None
+    frozen = three_nodes.servers[1:]
+    for server in frozen:
+        server.pause()
+    try:
+        assert caller.extend(lock) is False
+        assert caller.release(lock) is False  # skipped the backed-off nodes: unconfirmed
+    finally:
+        _resume(frozen, 0.1)
+    assert wait_until(lambda: all(value_on(s, lock.key) is None for s in frozen), 1.0)
+
+
+def test_a_clean_up_owed_to_a_dead_node_is_dropped_once_its_keys_expired(three_nodes):
+    """Nothing is kept for ever for a node that never comes back: the clean-up is owed only as
+    long as what it removes could live."""
+    caller = Redlock(three_nodes.urls, retry_count=1, node_timeout=NODE_TIMEOUT)
+    caller.release(caller.acquire("warm-up", ttl=1.0))
+    frozen = three_nodes.servers[1:]
+    for server in frozen:
+        server.pause()
+    try:
+        with pytest.raises(QuorumUnavailable):
+            caller.acquire("short", ttl=0.3)
+        endpoints = [node.endpoint_for("x") for node in caller.nodes[1:]]
+        assert all(endpoint is not None and endpoint.owed for endpoint in endpoints)
+        assert wait_until(lambda: not any(e.owed for e in endpoints if e is not None), 2.0)
+    finally:
+        for server in frozen:
+            server.resume()
+
+
+def test_a_worker_never_skips_a_call_for_a_holder_that_failed_during_a_stall() -> None:
+    """A real worker (threads pool): a run fails with no quorum while two of three nodes stall;
+    the nodes resume and run its SET; the next call with the same key a second later runs
+    instead of being skipped as a duplicate of the failed run."""
+    with (
+        RedisServer() as broker,
+        RedisNodes(3) as nodes,
+        celery_processes() as processes,
+    ):
+        environment = app_environment(broker, nodes)
+        client = control_app(broker, result_backend=broker.url)
+        worker = WorkerProcess(
+            "celery_apps.stall_app", "stalls", environment, 4, extra_arguments=("-P", "threads")
+        )
+        try:
+            processes.append(worker.start())
+            worker.wait_ready(client)
+            job = "celery_apps.stall_app.job"
+            assert client.send_task(job, args=("warm-up",)).get(timeout=10) == "warm-up"
+            for server in nodes.servers[1:]:
+                server.pause()
+            try:
+                failed = client.send_task(job, args=("stalled",))
+                with pytest.raises(Exception, match="no quorum for lock"):
+                    failed.get(timeout=10, propagate=True)
+            finally:
+                for server in nodes.servers[1:]:
+                    server.resume()
+            time.sleep(1.0)  # the issue's "a second after": the resumed nodes ran the SET
+            again = client.send_task(job, args=("stalled",))
+            assert again.get(timeout=10) == "stalled", "skipped for a holder that failed"
+            RunLog(broker.url).assert_no_overlap()
+        finally:
+            collect_results_while_the_broker_is_up()
+            client.close()
