@@ -293,7 +293,7 @@ class Channel:
                 raise
             return
         if any(not isinstance(slot.reply, ErrorReply) for slot in answered[count:]):
-            self.endpoint.mark_answered()
+            self.endpoint.mark_answered(self._last_received - answered[count].sent_at)
 
     # -- failing -----------------------------------------------------------------------------
 

@@ -40,6 +40,12 @@ logger = logging.getLogger(__name__)
 
 FIRST_BACKOFF_SECONDS = 0.25
 MAX_BACKOFF_SECONDS = 0.5  # a server that comes back is in use again within about a second
+PROBE_TIMEOUT_SECONDS = 1.0
+"""How long a probe waits for the server (when the node timeout is shorter): a probe runs in a
+thread of its own, so a server that answers late (a busy host) still counts as answering."""
+LATENESS_RISE = 0.5
+LATENESS_FALL = 0.05
+"""How far `Endpoint.lateness` moves toward each reply's delay: quickly up, slowly down."""
 MAX_OWED = 10_000
 """Clean-ups kept per server while it does not answer; past that the oldest (those whose keys
 expire soonest) are dropped."""
@@ -138,6 +144,9 @@ class Endpoint:
         self.connection_class = connection_class
         self.options = options
         self.last_error = ""  # why the server was last backed off, for error messages
+        # Seconds from queueing a command to reading its reply, smoothed: on a busy host it
+        # grows with the time the reading thread waits for a CPU, not only with the server.
+        self.lateness = 0.0
         self._suspect = False  # True from a failure until a probe sees the server answer
         self._down_until = 0.0
         self._backoff = 0.0
@@ -238,11 +247,14 @@ class Endpoint:
 
     def _probe_once(self) -> bool:
         """Connect, PING, and send what is owed; True if the server answered all of it."""
-        connection = self.connection_class(**self.options)
+        timeout = max(self.options.get("socket_timeout") or 0.0, PROBE_TIMEOUT_SECONDS)
+        options = {**self.options, "socket_timeout": timeout, "socket_connect_timeout": timeout}
+        connection = self.connection_class(**options)
         try:
             connection.connect()
             # PING is in the least-privilege ACL README documents; a user denied it still shows
             # that the server answers (its NOPERM is an answer), so it does not count against it.
+            sent = time.monotonic()
             connection.send_command("PING", check_health=False)
             try:
                 if connection.read_response() not in (b"PONG", "PONG"):
@@ -250,6 +262,7 @@ class Endpoint:
             except ResponseError as error:
                 if not str(error).startswith("NOPERM"):
                     raise
+            self._observe(time.monotonic() - sent)  # rounds wait as long as it takes now
             self._pay(connection)
         except Exception as error:  # whatever it is, the probe thread goes on (backed off)
             self.mark_down(time.monotonic(), error)
@@ -335,12 +348,19 @@ class Endpoint:
                 self._backoff,
             )
 
-    def mark_answered(self) -> None:
-        """Record a good reply: the server takes part in every round again."""
+    def mark_answered(self, delay: float = 0.0) -> None:
+        """Record a good reply, read ``delay`` seconds after its command was queued: the server
+        takes part in every round again, and its `lateness` follows the delay."""
+        self._observe(delay)
         if self._backoff:
             logger.info("lock node %s answers again", self.name)
             self._backoff = 0.0
             self._suspect = False
+
+    def _observe(self, delay: float) -> None:
+        lateness = self.lateness
+        rate = LATENESS_RISE if delay > lateness else LATENESS_FALL
+        self.lateness = lateness + (delay - lateness) * rate
 
 
 class KnownServers:

@@ -38,6 +38,22 @@ counts as no answer, like an error reply)."""
 _FOLLOWED = ("MOVED", "ASK", "NOSCRIPT")
 FOLLOW_UPS_PER_MEMBER = 3
 
+PATIENCE_PER_LATENESS = 3.0
+LONGEST_PATIENCE = 10.0
+"""A round waits for its members ``node_timeout``, or three times the lateness of the replies
+its quorum-th member sent of late, whichever is longer, but at most ten node timeouts. On a busy
+host replies are read late because the reading thread waits for a CPU: that is not a node
+failing, and a round deciding at quorum loses nothing by waiting longer while a majority
+answers; only a round without a majority waits the longer time."""
+
+
+def patience(node_timeout: float, lateness: list[float], quorum: int) -> float:
+    """Seconds a round waits for the members whose recent lateness is ``lateness``."""
+    if len(lateness) < quorum:
+        return node_timeout
+    late = sorted(lateness)[quorum - 1] * PATIENCE_PER_LATENESS
+    return min(max(node_timeout, late), node_timeout * LONGEST_PATIENCE)
+
 
 @dataclass
 class RoundResult:
@@ -143,6 +159,7 @@ class Round(Waiting):
         self.failures = 0
         self.finished = False
         self.deadline = 0.0
+        self.patience = self.node_timeout
 
     # -- sending -----------------------------------------------------------------------------
 
@@ -156,15 +173,18 @@ class Round(Waiting):
         now = time.monotonic()
         self.outstanding = len(self.nodes)  # before any slot is sent: nobody delivers yet
         skipped: list[tuple[int, LockNode, Endpoint | None]] = []
+        lateness: list[float] = []
         for index, node in enumerate(self.nodes):
             endpoint = node.endpoint_for(self.key)
             if endpoint is None or endpoint.is_backed_off(now):
                 skipped.append((index, node, endpoint))
             else:
+                lateness.append(endpoint.lateness)
                 self._send(index, node, endpoint, packed, asking=False)
         if skipped:
             self._skip(skipped, packed, wait)
-        self.deadline = time.monotonic() + self.node_timeout
+        self.patience = patience(self.node_timeout, lateness, self.quorum)
+        self.deadline = time.monotonic() + self.patience
 
     def _packed(self, by_source: bool) -> bytes:
         return pack_command(*self.call, head=self.script_head(self.script, by_source), head_count=2)
@@ -367,7 +387,7 @@ class Round(Waiting):
             if follow_ups:
                 for call, slot in follow_ups:
                     self._follow(call, slot.reply)
-                self.deadline = max(self.deadline, time.monotonic() + self.node_timeout)
+                self.deadline = max(self.deadline, time.monotonic() + self.patience)
                 continue
             if time.monotonic() >= self.deadline:
                 break
@@ -390,19 +410,20 @@ class Round(Waiting):
         self._send(index, node, redirect.endpoint, packed, asking=redirect.asking)
 
     def _time_out(self) -> None:
-        """Whoever has not answered misses this round. A server that sent nothing for the node
-        timeout is backed off, and once silent for `hung_after` its connection fails (with
-        every slot waiting on it, other rounds' too). One that keeps answering, only late, is
-        left alone: its late replies are read and dropped."""
+        """Whoever has not answered misses this round. A server that sent nothing for the
+        round's patience is backed off, and once silent for `hung_after` its connection fails
+        (with every slot waiting on it, other rounds' too). One that keeps answering, only late,
+        is left alone: its late replies are read and dropped."""
         now = time.monotonic()
         failed: list[Slot] = []
+        waited = f"no reply within {self.patience:.3g}s"
         for call in self.calls:
             if call is not None and call.main is not None and not call.main.done:
                 channel = call.main.channel
                 if channel is not None:
                     failed_now = channel.fail_if_late(now, hung_after(self.node_timeout))
-                    if not failed_now and channel.silent_for(now, self.node_timeout):
-                        call.endpoint.mark_down(now, f"no reply within {self.node_timeout}s")
+                    if not failed_now and channel.silent_for(now, self.patience):
+                        call.endpoint.mark_down(now, waited)
                     failed += failed_now
         reactor = self.connections.reactor
         reactor.deliver(failed)
@@ -411,7 +432,7 @@ class Round(Waiting):
                 if call is not None and call.main is not None and not call.main.done:
                     self.calls[call.index] = None
                     self._owe(call.endpoint)
-                    self._settle(call.index, f"no reply within {self.node_timeout}s")
+                    self._settle(call.index, waited)
             self.finished = True
 
     def finish(self) -> RoundResult:
