@@ -60,12 +60,13 @@ import platform
 import random
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -407,6 +408,7 @@ class FleetSettings:
     node_timeout: float | None  # redlock_node_timeout; None: the library's default
     loglevel: str
     log_directory: Path | None  # where the workers' logs stay, if anywhere
+    busy: int = 0  # busy processes beside the fleet (a noisy neighbour)
 
 
 def run_fleet(
@@ -501,6 +503,19 @@ def run_fleet(
     )
 
 
+@contextlib.contextmanager
+def busy_processes(count: int) -> Iterator[None]:
+    """``count`` processes that spin on a CPU each until the block ends: a noisy neighbour."""
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        yield
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+        for spinner in spinners:
+            spinner.wait()
+
+
 def _consume_everywhere(app: Celery, workers: Sequence[CeleryWorker]) -> None:
     """Tell every worker to consume the task queue, and make sure each one did."""
     waiting = {worker.hostname for worker in workers}
@@ -579,7 +594,8 @@ def markdown(result: FleetResult, load_before: float, load_after: float, took: f
         "",
         f"{result.tasks:,} `@singleton_task` calls (sleep {SHORTEST_MS:g}-{LONGEST_MS:g} ms) on "
         f'{KEYS} keys, `on_duplicate="{result.settings.on_duplicate}"`, '
-        f"`redlock_node_timeout` {node_timeout}, queued before the workers started; first "
+        f"`redlock_node_timeout` {node_timeout}, {result.settings.busy} busy processes beside "
+        "the fleet, queued before the workers started; first "
         "call's start to last call's end. Lock wait: `waited` of `lock_acquired`, from the start "
         "of the task's `__call__` to its lock acquired.",
         "",
@@ -731,6 +747,13 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         help="the workers' redlock_node_timeout in seconds (default: the library's, 0.05)",
     )
+    parser.add_argument(
+        "--busy",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N processes spinning on the CPUs beside the fleet, a noisy neighbour (0)",
+    )
     parser.add_argument("--loglevel", default="WARNING", help="the workers' --loglevel (WARNING)")
     parser.add_argument("--log-directory", type=Path, help="keep the workers' logs here")
     parser.add_argument("--json", type=Path, help="also write the raw numbers here")
@@ -747,6 +770,7 @@ def main(argv: list[str] | None = None) -> int:
         tempfile.TemporaryDirectory(prefix="bench-fleet-") as directory,
         RedisServer() as broker,
         RedisNodes(LOCK_NODES) as nodes,
+        busy_processes(options.busy),
     ):
         settings = FleetSettings(
             options.tasks,
@@ -756,6 +780,7 @@ def main(argv: list[str] | None = None) -> int:
             options.node_timeout,
             options.loglevel,
             options.log_directory,
+            options.busy,
         )
         if options.log_directory is not None:
             options.log_directory.mkdir(parents=True, exist_ok=True)

@@ -28,7 +28,7 @@ from .endpoint import Endpoint
 from .members import LockNode
 from .reactor import Reactor, Waiting
 from .resp import pack_command
-from .round import Judge, Members, Round, RoundResult, ScriptHeads
+from .round import Judge, Members, Round, RoundResult, ScriptHeads, patience
 from .subscriber import Subscriber
 from .unattended import Unattended
 
@@ -197,6 +197,7 @@ class ReleaseListener(Waiting):
         self.notified = False
         self.subscribers: list[Subscriber] = []
         now = time.monotonic()
+        lateness: list[float] = []
         for node in group.nodes:
             endpoint = node.endpoint_for(channel)
             if endpoint is None or endpoint.is_backed_off(now):
@@ -204,8 +205,10 @@ class ReleaseListener(Waiting):
             subscriber = connections.subscriber(endpoint)
             if subscriber.listen(channel, self):
                 self.subscribers.append(subscriber)
+                lateness.append(endpoint.lateness)
         # Subscribed only once the servers confirm: a release before that would go unheard.
-        deadline = time.monotonic() + group.node_timeout
+        waited = patience(group.node_timeout, lateness, len(lateness))
+        deadline = time.monotonic() + waited
         while not all(subscriber.confirmed(channel) for subscriber in self.subscribers):
             self.satisfied = False
             if not connections.reactor.wait(self, deadline) and time.monotonic() >= deadline:

@@ -49,7 +49,7 @@ answers; only a round without a majority waits the longer time."""
 
 def patience(node_timeout: float, lateness: list[float], quorum: int) -> float:
     """Seconds a round waits for the members whose recent lateness is ``lateness``."""
-    if len(lateness) < quorum:
+    if not 0 < quorum <= len(lateness):
         return node_timeout
     late = sorted(lateness)[quorum - 1] * PATIENCE_PER_LATENESS
     return min(max(node_timeout, late), node_timeout * LONGEST_PATIENCE)
