@@ -10,6 +10,7 @@ second of the servers answering again, not after the whole ttl.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 
 import pytest
@@ -189,3 +190,56 @@ def test_nodes_that_answer_late_are_waited_for_not_given_up() -> None:
         print(f"\n3 nodes 80 ms late, node timeout 50 ms: 10 in a row after {took:.2f} s")
         assert outcomes[-10:] == [True] * 10, "late nodes were given up instead of waited for"
         assert took < 3.0
+
+
+def _first_calls(urls: list[str], threads: int = 16) -> list[float]:
+    """Seconds each of ``threads`` threads took for its first acquire and release, all starting
+    together on a new lock manager."""
+    dlm = Redlock(urls, retry_count=1, node_timeout=NODE_TIMEOUT)
+    start = threading.Barrier(threads)
+    took: list[float] = []
+
+    def call(index: int) -> None:
+        start.wait()
+        started = time.monotonic()
+        lock = dlm.acquire(f"first-call-{index}", ttl=5.0)
+        took.append(time.monotonic() - started)
+        assert lock is not None
+        dlm.release(lock, confirm=False)
+
+    workers = [threading.Thread(target=call, args=(index,)) for index in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(10)
+    assert len(took) == threads
+    dlm.close()
+    return took
+
+
+@pytest.mark.parametrize("kind", ["cluster", "sentinel"])
+def test_a_member_whose_seeds_all_hang_costs_at_most_one_node_timeout(redis_nodes, kind):
+    """A cluster member whose seeds, or a Sentinel member whose sentinels, all hang: 16 threads'
+    first calls each take at most one node timeout longer than with a healthy third node (the
+    member is looked up in the background, not by every caller, one seed after another)."""
+    nodes = redis_nodes(6)
+    healthy = _first_calls(nodes.urls[:3])
+    hung = nodes.servers[3:]
+    for server in hung:
+        server.pause()
+    try:
+        addresses = ",".join(server.address for server in hung)
+        member = (
+            f"redis+cluster://{addresses}"
+            if kind == "cluster"
+            else f"redis+sentinel://{addresses}/service"
+        )
+        stalled = _first_calls([*nodes.urls[:2], member])
+    finally:
+        for server in hung:
+            server.resume()
+    print(
+        f"\n16 first calls, a {kind} member whose servers hang: max {max(stalled) * 1000:.0f} "
+        f"ms (healthy third node: max {max(healthy) * 1000:.0f} ms)"
+    )
+    assert max(stalled) <= max(healthy) + NODE_TIMEOUT + 0.05

@@ -46,7 +46,7 @@ class ClusterNode(LockNode):
         self.wait_replicas = wait_replicas
         self.servers = KnownServers(seeds[0], seeds)
         self._slots: list[Endpoint | None] = [None] * SLOTS
-        self.locator = Locator(self.name, self._read_slot_map)
+        self.locator = Locator(self.name, self._read_slot_map, seeds[0].timeout)
 
     def endpoint_for(self, key: str) -> Endpoint | None:
         if not self.locator.ensure():
@@ -54,7 +54,7 @@ class ClusterNode(LockNode):
         return self._slots[hash_slot(key)]
 
     def endpoints(self) -> list[Endpoint]:
-        self.locator.ensure()
+        self.locator.ensure(wait_for_the_look=True)
         masters: dict[int, Endpoint] = {}
         for endpoint in self._slots:
             if endpoint is not None:

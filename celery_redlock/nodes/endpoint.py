@@ -177,6 +177,11 @@ class Endpoint:
         return Endpoint(f"{scheme}://{host}:{port}", self.connection_class, options)
 
     @property
+    def timeout(self) -> float:
+        """Seconds a command to the server is waited for: the node timeout."""
+        return float(self.options.get("socket_timeout") or 0.0)
+
+    @property
     def address(self) -> tuple[str, int] | None:
         """(host, port) of a TCP server, None for a unix socket."""
         host, port = self.options.get("host"), self.options.get("port")
@@ -247,7 +252,7 @@ class Endpoint:
 
     def _probe_once(self) -> bool:
         """Connect, PING, and send what is owed; True if the server answered all of it."""
-        timeout = max(self.options.get("socket_timeout") or 0.0, PROBE_TIMEOUT_SECONDS)
+        timeout = max(self.timeout, PROBE_TIMEOUT_SECONDS)
         options = {**self.options, "socket_timeout": timeout, "socket_connect_timeout": timeout}
         connection = self.connection_class(**options)
         try:

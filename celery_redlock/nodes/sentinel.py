@@ -45,7 +45,7 @@ class SentinelNode(LockNode):
         self.wait_replicas = wait_replicas
         self.servers = KnownServers(master)
         self._master: Endpoint | None = None
-        self.locator = Locator(self.name, self._ask_sentinels)
+        self.locator = Locator(self.name, self._ask_sentinels, master.timeout)
 
     def endpoint_for(self, key: str) -> Endpoint | None:
         if self.locator.ensure():
@@ -53,7 +53,7 @@ class SentinelNode(LockNode):
         return self._master
 
     def endpoints(self) -> list[Endpoint]:
-        self.locator.ensure()
+        self.locator.ensure(wait_for_the_look=True)
         return [self._master] if self._master is not None else []
 
     def locating_error(self) -> str:
