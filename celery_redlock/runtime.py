@@ -9,11 +9,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from redis.exceptions import RedisError as RedisClientError
-from redis.exceptions import ResponseError
-
 from .keeper import LockKeeper
-from .nodes import LockNode, describe_failure
 from .redlock import Redlock
 from .settings import RedlockSettings, even_node_warning, has_password, redact_url
 
@@ -58,8 +54,9 @@ class AppRuntime:
         return runtime  # type: ignore[no-any-return]
 
     def check_nodes(self) -> None:
-        """Once per app and process: warn about an even node count and nodes that do not
-        answer (a worker starts anyway: locks work while a majority answers)."""
+        """Once per app and process: warn about an even node count and passwords in URLs.
+        Whether the nodes answer is the worker's start-up report (`celery_redlock.admin.startup`,
+        on ``worker_ready``)."""
         if self._nodes_checked:
             return
         self._nodes_checked = True
@@ -75,32 +72,3 @@ class AppRuntime:
                     "Celery masks) and leave the password out of the URL",
                     redact_url(url),
                 )
-        for node in nodes:
-            problem = self._unanswered(node)
-            if problem:
-                logger.warning(
-                    "lock node %s does not answer at worker start (%s); singleton tasks work "
-                    "while a majority of the %d lock nodes answer",
-                    node.name,
-                    problem,
-                    len(nodes),
-                )
-
-    def _unanswered(self, node: LockNode) -> str:
-        """Why ``node`` (every server of it) does not answer a PING, or '' when it does. A
-        denied PING (NOPERM) is an answer."""
-        endpoints = node.endpoints()
-        if not endpoints:
-            return node.locating_error()
-        for endpoint in endpoints:
-            client = endpoint.client(timeout=max(self.settings.node_timeout, 1.0))
-            try:
-                client.ping()
-            except ResponseError as error:
-                if not str(error).startswith("NOPERM"):
-                    return describe_failure(error)
-            except (RedisClientError, OSError) as error:
-                return f"{endpoint.name}: {describe_failure(error)}"
-            finally:
-                client.close()
-        return ""

@@ -9,7 +9,9 @@ package's only module-level state:
   ended (`celery_redlock.run`);
 - ``worker_init``, in the worker's main process: remember the worker's name and whether it sends
   events (`celery_redlock.events`), and start the reaper timer when ``redlock_reap_interval`` is
-  set (`celery_redlock.admin.reap`).
+  set (`celery_redlock.admin.reap`);
+- ``worker_ready``, in the worker's main process just before Celery logs "ready": the start-up
+  report on the lock nodes (`celery_redlock.admin.startup`).
 
 Lost pool processes are handled by the request class, `celery_redlock.process_loss`
 (`LockAwareRequest`, importable from here too, as in 0.2).
@@ -23,6 +25,7 @@ from celery import signals as celery_signals
 from celery import states
 
 from .admin.reap import start_reaper_thread
+from .admin.startup import report_lock_nodes
 from .events import remember_worker
 from .messages import name_message
 from .process_loss import LockAwareRequest
@@ -59,4 +62,7 @@ def connect() -> None:
     )
     celery_signals.worker_init.connect(
         start_reaper, weak=False, dispatch_uid="celery_redlock.start_reaper"
+    )
+    celery_signals.worker_ready.connect(
+        report_lock_nodes, weak=False, dispatch_uid="celery_redlock.report_lock_nodes"
     )

@@ -340,17 +340,7 @@ def group_safety_warnings(statuses: Sequence[NodeStatus], quorum: int) -> list[s
     even = even_node_warning(total)
     if even and total > 1:
         warnings.append(even)
-    by_server: dict[str, list[str]] = {}
-    for status in statuses:
-        for server in status.servers or (status,):  # a cluster's masters, each once
-            if server.run_id:
-                by_server.setdefault(server.run_id, []).append(status.node)
-    for names in by_server.values():
-        if len(names) > 1:
-            warnings.append(
-                f"{' and '.join(names)} are the same Redis server (same run_id): the nodes "
-                "must be independent, or one crash removes several votes"
-            )
+    warnings += same_server_warnings(statuses)
     reachable = sum(status.reachable for status in statuses)
     if quorum <= reachable < total:
         warnings.append(
@@ -358,6 +348,22 @@ def group_safety_warnings(statuses: Sequence[NodeStatus], quorum: int) -> list[s
             f"but {reachable - quorum + 1} more failure(s) stop them"
         )
     return warnings
+
+
+def same_server_warnings(statuses: Sequence[NodeStatus]) -> list[str]:
+    """One warning per Redis server that several nodes reach (the same ``run_id``, whatever
+    their URLs say: ``127.0.0.1`` and ``localhost``, two names of one host), naming them."""
+    by_server: dict[str, list[str]] = {}
+    for status in statuses:
+        for server in status.servers or (status,):  # a cluster's masters, each once
+            if server.run_id:
+                by_server.setdefault(server.run_id, []).append(status.node)
+    return [
+        f"{' and '.join(names)} are the same Redis server (same run_id): the nodes must be "
+        "independent, or one crash removes several votes"
+        for names in by_server.values()
+        if len(names) > 1
+    ]
 
 
 def largest_lock_ttl(app: Any, settings: RedlockSettings) -> float:
