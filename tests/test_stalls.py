@@ -10,6 +10,7 @@ second of the servers answering again, not after the whole ttl.
 from __future__ import annotations
 
 import contextlib
+import socket
 import threading
 import time
 
@@ -243,3 +244,21 @@ def test_a_member_whose_seeds_all_hang_costs_at_most_one_node_timeout(redis_node
         f"ms (healthy third node: max {max(healthy) * 1000:.0f} ms)"
     )
     assert max(stalled) <= max(healthy) + NODE_TIMEOUT + 0.05
+
+
+def test_a_tls_node_that_stalls_in_its_handshake_costs_at_most_one_node_timeout(redis_nodes):
+    """A TLS node that accepts connections and never answers the handshake: 16 threads' first
+    calls each take at most one node timeout longer than with a healthy third node (one thread
+    waits for the handshake; the others do not each try again after it failed)."""
+    nodes = redis_nodes(3)
+    healthy = _first_calls(nodes.urls)
+    with socket.create_server(("127.0.0.1", 0), backlog=64) as silent:
+        port = silent.getsockname()[1]
+        stalled = _first_calls([*nodes.urls[:2], f"rediss://127.0.0.1:{port}/0?ssl_cert_reqs=none"])
+    print(
+        f"\n16 first calls, a TLS node stalled in its handshake: max "
+        f"{max(stalled) * 1000:.0f} ms (healthy third node: max {max(healthy) * 1000:.0f} ms)"
+    )
+    # redis-py bounds the TCP connect and the handshake each by the timeout: one connection
+    # attempt to such a node takes about 1.5 node timeouts (it took 1.3 s before, in turn).
+    assert max(stalled) <= max(healthy) + 2 * NODE_TIMEOUT + 0.03

@@ -165,6 +165,12 @@ class Channel:
                     elif now - self._last_used > IDLE_CHECK_SECONDS and self._closed_by_server():
                         self._close_locked()  # a restarted server: the command must not be lost
                 if self.socket is None:
+                    if self.endpoint.is_backed_off(now):
+                        # A connection failed while this caller waited for the lock: it does
+                        # not try again (every waiting thread would wait out the server in turn).
+                        for slot in slots:
+                            slot.failure, slot.done = self.endpoint.last_error, True
+                        return list(slots)
                     try:
                         self._connect_locked()
                     except (RedisClientError, OSError) as error:
