@@ -31,6 +31,7 @@ from celery_redlock import (
     singleton_task,
 )
 from celery_redlock.outcomes import Acquired, Held, Unavailable
+from celery_redlock.settings import RedlockSettings
 from celery_redlock.testing import RedisCluster, RedisServer
 
 pytestmark = pytest.mark.topology
@@ -583,3 +584,45 @@ def test_redlock_over_a_cluster_url_reports_the_cluster_as_one_node(
         assert manager.node_names == [cluster.url]
     finally:
         manager.close()
+
+
+def test_refused_grants_do_not_outlive_their_attempts(cluster: RedisCluster) -> None:
+    """``wait_replicas=1`` at the default node timeout with the replica paused: every grant is
+    refused (no acknowledgement), and none stays on the master: each attempt's clean-up reaches
+    it, although its late WAIT reply got it backed off."""
+    first = resource_with_replica(cluster, "unacknowledged")
+    owner = cluster.slot_owner(cluster.key_slot(key_of(first)))
+    resources = [first]
+    while len(resources) < 8:
+        resource = unique("unacknowledged")
+        if cluster.slot_owner(cluster.key_slot(key_of(resource))) is owner:
+            resources.append(resource)
+    waiting = Redlock.from_settings(RedlockSettings(urls=(cluster.url,), wait_replicas=1))
+    replica = cluster.replicas_of(owner)[0]
+    warm = waiting.acquire(unique("warm-up"), 5.0)  # connections open, scripts loaded
+    assert warm is not None and waiting.release(warm)
+    outcomes: list[object] = []
+    replica.pause()
+    try:
+        threads = [
+            threading.Thread(target=lambda r=r: outcomes.append(waiting.attempt(r, 20.0)))
+            for r in resources
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(10)
+        left = lambda: [r for r in resources if stored(cluster, key_of(r)) is not None]  # noqa: E731
+        gone = wait_until(lambda: not left(), timeout=1.5)
+        still_there = left()
+    finally:
+        replica.resume()
+        waiting.close()
+    assert len(outcomes) == 8 and all(isinstance(o, Unavailable) for o in outcomes)
+    reasons = [str(o.error) for o in outcomes if isinstance(o, Unavailable)]
+    # Each names why the member gave no grant: its replicas did not acknowledge in time, or
+    # (queued behind another caller's WAIT on the shared connection) no reply in time.
+    unnamed = [r for r in reasons if "acknowledge" not in r and "no reply within" not in r]
+    assert not unnamed, unnamed
+    assert gone, f"refused grants still on the master: {still_there}"
+    cluster.wait_until_stable()

@@ -429,10 +429,14 @@ class Round(Waiting):
         reactor.deliver(failed)
         with reactor.lock:
             for call in self.calls:
-                if call is not None and call.main is not None and not call.main.done:
+                if call is not None and not all(slot.done for slot in call.slots):
                     self.calls[call.index] = None
                     self._owe(call.endpoint)
-                    self._settle(call.index, waited)
+                    if call.main is not None and call.main.done and call.replicas is not None:
+                        why = f"its replicas did not acknowledge within {self.patience:.3g}s"
+                        self._settle(call.index, f"{why} (WAIT)")
+                    else:
+                        self._settle(call.index, waited)
             self.finished = True
 
     def finish(self) -> RoundResult:
