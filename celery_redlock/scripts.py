@@ -27,6 +27,10 @@ class Script:
     name: str
     source: str
     inline: bool = False
+    alone: bool = False
+    """The script also runs on its first key alone (called with one key): its part on the
+    other keys is skipped. What a round sends a member whose slot is half migrated (TRYAGAIN:
+    the keys are split between two servers for a while)."""
     sha: str = field(init=False)
 
     def __post_init__(self) -> None:
@@ -135,6 +139,8 @@ return 1
 # (restarted empty) gets it back, with its fencing counter, while the lock is valid by the
 # caller's clock — not when the extension reaches a node late (it was frozen): that would bring
 # back the lock of a holder that may be gone. The extension counts only where a majority confirms.
+# Called with the lock key alone, the fencing counter is left as it is (the next extension with
+# both keys raises and keeps it again).
 EXTEND = Script(
     "extend",
     _CALL
@@ -152,12 +158,15 @@ else
     end
     call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 end
-if (tonumber(call('GET', KEYS[2])) or 0) < tonumber(ARGV[3]) then
-    call('SET', KEYS[2], ARGV[3], 'PX', ARGV[2])
+if KEYS[2] then
+    if (tonumber(call('GET', KEYS[2])) or 0) < tonumber(ARGV[3]) then
+        call('SET', KEYS[2], ARGV[3], 'PX', ARGV[2])
+    end
+    keep_fence(KEYS[2], tonumber(ARGV[2]))
 end
-keep_fence(KEYS[2], tonumber(ARGV[2]))
 return 1
 """,
+    alone=True,
 )
 
 # KEYS[1] lock key (also the channel waiters listen on), KEYS[2] its fencing counter, KEYS[3]
@@ -165,6 +174,7 @@ return 1
 # that much longer); ARGV[3], ARGV[4], ARGV[5] (with KEYS[3]) the record's field, the rank to
 # record and the record's lifetime in ms.
 # Returns 1 if the lock was still ours, else 0; the record is written either way.
+# Called with the lock key alone, the rest is left as it is.
 # The PUBLISH is a pcall: an ACL user may lack channel permissions, and the release counts anyway.
 RELEASE = Script(
     "release",
@@ -177,7 +187,9 @@ if call('GET', KEYS[1]) == ARGV[1] then
     local hold = tonumber(ARGV[2])
     if hold > 0 then
         call('PEXPIRE', KEYS[1], hold)
-        keep_fence(KEYS[2], hold)
+        if KEYS[2] then
+            keep_fence(KEYS[2], hold)
+        end
     else
         call('DEL', KEYS[1])
         redis.pcall('PUBLISH', KEYS[1], 'released')
@@ -193,6 +205,7 @@ end
 return released
 """,
     inline=True,
+    alone=True,
 )
 
 # KEYS[1] lock key. Returns {current value or '', its pttl in ms}: who holds it, without taking it.

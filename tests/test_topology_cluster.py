@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 from celery import Celery
 from celery_apps.support import RunLog, embedded_worker, make_app
 from cli_support import as_json, invoke
@@ -28,6 +29,7 @@ from celery_redlock import (
     Redlock,
     SingletonTask,
     admin,
+    keyspace,
     singleton_task,
 )
 from celery_redlock.outcomes import Acquired, Held, Unavailable
@@ -565,12 +567,16 @@ def test_a_cluster_that_cannot_be_reached_is_one_node_down() -> None:
 
 
 def value_on_asking(server: RedisServer, key: str) -> str | None:
-    """The value of ``key`` on a master importing its slot (after ASKING)."""
+    """The value of ``key`` on a master importing its slot (after ASKING); on the master it is
+    leaving, None where the key has gone (ASK)."""
     with server.client(decode_responses=True) as client:
         pipeline = client.pipeline(transaction=False)
         pipeline.execute_command("ASKING")
         pipeline.get(key)
-        value: str | None = pipeline.execute()[1]
+        try:
+            value: str | None = pipeline.execute()[1]
+        except redis.exceptions.AskError:
+            return None
         return value
 
 
@@ -626,3 +632,51 @@ def test_refused_grants_do_not_outlive_their_attempts(cluster: RedisCluster) -> 
     assert not unnamed, unnamed
     assert gone, f"refused grants still on the master: {still_there}"
     cluster.wait_until_stable()
+
+
+@pytest.mark.parametrize(
+    ("moved", "confirm"),
+    [("lock key", True), ("fencing counter", True), ("lock key", False)],
+    ids=["lock-key-moved", "fencing-counter-moved", "lock-key-moved-unconfirmed-release"],
+)
+def test_a_holder_extends_and_releases_in_a_half_migrated_slot(
+    cluster: RedisCluster, moved: str, confirm: bool
+) -> None:
+    """One of the lock's two keys has moved to the new master, the other not yet (a resharding
+    moves keys in batches): no script can run on both, the servers answer TRYAGAIN. The holder
+    still extends its lock and releases it: the scripts run on the lock key alone."""
+    resource = unique("half-migrated")
+    with lock_managers([cluster.url]) as (holder, rival):
+        lock = holder.acquire(resource, 15.0)
+        assert lock is not None
+        slot = cluster.key_slot(lock.key)
+        source = cluster.slot_owner(slot)
+        destination = next(master for master in cluster.masters() if master is not source)
+        migration = cluster.begin_slot_migration(slot, destination)
+        try:
+            key = lock.key if moved == "lock key" else keyspace.fence_key(lock.key)
+            with source.client(socket_timeout=5) as client:
+                client.execute_command(
+                    "MIGRATE", destination.host, destination.port, "", 0, 5000, "KEYS", key
+                )
+            for _ in range(3):
+                assert holder.extend(lock), "the holder could not extend in a half-migrated slot"
+            released = holder.release(lock, confirm=confirm)
+            assert released is confirm
+
+            def gone() -> bool:
+                # An unconfirmed release's replies are read by the holder's next round (a
+                # worker's next task): its TRYAGAIN is followed then.
+                holder.attempt(unique("next-task"), 1.0, rounds=1)
+                return (
+                    value_on_asking(source, lock.key) is None
+                    and value_on_asking(destination, lock.key) is None
+                )
+
+            assert wait_until(gone, timeout=1.0), "the released lock is still there"
+        finally:
+            migration.move_keys()
+            migration.finish()
+        again = rival.acquire(resource, 10.0)
+        assert again is not None
+        assert rival.release(again)

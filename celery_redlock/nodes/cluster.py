@@ -16,7 +16,7 @@ import binascii
 from ..errors import RedlockError
 from ..settings import redact_url
 from .endpoint import Endpoint, KnownServers
-from .locating import Locator
+from .locating import Locator, first_answer
 from .members import LockNode, Redirect
 from .resp import ErrorReply
 
@@ -91,23 +91,18 @@ class ClusterNode(LockNode):
         self.locator.relocate()  # a master that fails may have been replaced by its replica
 
     def _read_slot_map(self) -> None:
-        """Read ``CLUSTER SLOTS`` from the first server that answers: the seeds, then every
-        master known."""
-        errors = []
+        """Read ``CLUSTER SLOTS`` from the first server that answers, of the seeds and every
+        master known (asked at once)."""
         candidates = list(dict.fromkeys([*self.seeds, *self.servers.all()]))
-        for candidate in candidates:
-            try:
-                with candidate.client() as client:
-                    ranges = client.execute_command("CLUSTER SLOTS")
-            except Exception as error:
-                errors.append(f"{candidate.name}: {error}")
-                continue
-            slots = self._slots_from(ranges, candidate)
-            if slots is not None:
-                self._slots = slots
-                return
-            errors.append(f"{candidate.name}: a CLUSTER SLOTS reply with no slots")
-        raise RedlockError("; ".join(errors) or "no server to ask")
+        self._slots = first_answer(candidates, self._slot_map_of, lambda server: server.name)
+
+    def _slot_map_of(self, server: Endpoint) -> list[Endpoint | None]:
+        with server.client() as client:
+            ranges = client.execute_command("CLUSTER SLOTS")
+        slots = self._slots_from(ranges, server)
+        if slots is None:
+            raise RedlockError("a CLUSTER SLOTS reply with no slots")
+        return slots
 
     def _slots_from(self, ranges: object, asked: Endpoint) -> list[Endpoint | None] | None:
         """The slot map a ``CLUSTER SLOTS`` reply describes, or None when it is not one."""

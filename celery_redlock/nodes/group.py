@@ -166,9 +166,7 @@ class NodeGroup:
         members = Members(self.nodes, self.node_timeout, self.connections(), self.script_head)
         owed_until = time.monotonic() + owed_for if owed_for > 0 else 0.0
         if not wait:
-            head = self.script_head(script, True)
-            packed = pack_command(len(keys), *keys, *arguments, head=head, head_count=2)
-            Unattended(members, script, judge, packed, owed_until).send(keys[0])
+            Unattended(members, script, judge, keys, arguments, owed_until).send()
             return RoundResult([], 0, 0, time.monotonic(), [])
         round_ = Round(members, script, keys, arguments, judge, every, grants, owed_until)
         try:

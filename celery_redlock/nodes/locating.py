@@ -8,13 +8,47 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+from ..errors import RedlockError
 
 logger = logging.getLogger(__name__)
 
 RELOCATE_INTERVAL_SECONDS = 0.25
+
+Candidate = TypeVar("Candidate")
+Answer = TypeVar("Answer")
+
+
+def first_answer(
+    candidates: Sequence[Candidate],
+    ask: Callable[[Candidate], Answer],
+    name: Callable[[Candidate], str],
+) -> Answer:
+    """Ask every candidate at once (a thread each) and return the first answer; ``ask`` raises
+    when a candidate has none. One that hangs delays nothing. Raises `RedlockError` naming each
+    candidate's failure when none answers."""
+    answers: queue.Queue[tuple[Candidate, Answer | None, str]] = queue.Queue()
+
+    def run(candidate: Candidate) -> None:
+        try:
+            answers.put((candidate, ask(candidate), ""))
+        except Exception as error:
+            answers.put((candidate, None, str(error)))
+
+    for candidate in candidates:
+        threading.Thread(target=run, args=(candidate,), daemon=True).start()
+    errors = []
+    for _ in candidates:
+        candidate, answer, error = answers.get()
+        if answer is not None:
+            return answer
+        errors.append(f"{name(candidate)}: {error}")
+    raise RedlockError("; ".join(errors) or "nobody to ask")
 
 
 class Locator:

@@ -78,11 +78,12 @@ class NodeCall:
     """One member's part of a round: the slots of the commands sent to it (the script call,
     perhaps after ``ASKING`` and before ``WAIT``), and which of them carries the answer."""
 
-    __slots__ = ("endpoint", "index", "main", "replicas", "slots")
+    __slots__ = ("alone", "endpoint", "index", "main", "replicas", "slots")
 
-    def __init__(self, index: int, endpoint: Endpoint) -> None:
+    def __init__(self, index: int, endpoint: Endpoint, alone: bool = False) -> None:
         self.index = index
         self.endpoint = endpoint
+        self.alone = alone  # the script on its first key only (`Script.alone`)
         self.slots: list[Slot] = []
         self.main: Slot | None = None
         self.replicas: Slot | None = None  # the WAIT reply, when the member waits for replicas
@@ -186,8 +187,11 @@ class Round(Waiting):
         self.patience = patience(self.node_timeout, lateness, self.quorum)
         self.deadline = time.monotonic() + self.patience
 
-    def _packed(self, by_source: bool) -> bytes:
-        return pack_command(*self.call, head=self.script_head(self.script, by_source), head_count=2)
+    def _packed(self, by_source: bool, alone: bool = False) -> bytes:
+        call = self.call
+        if alone:
+            call = (1, call[1], *call[1 + int(call[0]) :])
+        return pack_command(*call, head=self.script_head(self.script, by_source), head_count=2)
 
     def _owe(self, endpoint: Endpoint) -> None:
         """A clean-up that ``endpoint`` did not answer is sent again once it answers."""
@@ -228,9 +232,15 @@ class Round(Waiting):
                 self._send(index, node, endpoint, packed, asking=False)
 
     def _send(
-        self, index: int, node: LockNode, endpoint: Endpoint, packed: bytes, asking: bool
+        self,
+        index: int,
+        node: LockNode,
+        endpoint: Endpoint,
+        packed: bytes,
+        asking: bool,
+        alone: bool = False,
     ) -> None:
-        call = NodeCall(index, endpoint)
+        call = NodeCall(index, endpoint, alone)
         waits = self.grants and node.wait_replicas
         if asking or waits:
             commands = [packed]
@@ -267,7 +277,10 @@ class Round(Waiting):
         reply = call.main.reply
         if (
             isinstance(reply, ErrorReply)
-            and reply.code in _FOLLOWED
+            and (
+                reply.code in _FOLLOWED
+                or (reply.code == "TRYAGAIN" and self.script.alone and not call.alone)
+            )
             and not self.finished
             and self.follow_ups_left[call.index] > 0
         ):
@@ -394,20 +407,30 @@ class Round(Waiting):
         self._time_out()
 
     def _follow(self, call: NodeCall, reply: ErrorReply) -> None:
-        index = call.index
+        index, alone = call.index, call.alone
         node = self.nodes[index]
         if reply.code == "NOSCRIPT":
             # The server lost its script cache (restart, SCRIPT FLUSH): send the source.
-            packed = self._packed(by_source=True)
-            self._send(index, node, call.endpoint, packed, asking=False)
+            packed = self._packed(by_source=True, alone=alone)
+            self._send(index, node, call.endpoint, packed, asking=False, alone=alone)
             return
-        redirect = node.redirect(reply, call.endpoint)
+        if reply.code == "TRYAGAIN":
+            # The slot is half migrated: its keys are split between two servers, which no
+            # script can span. The script runs on the lock key alone, wherever that lives now.
+            endpoint = node.endpoint_for(self.key)
+            if endpoint is not None:
+                packed = self._packed(by_source=self.script.inline, alone=True)
+                self._send(index, node, endpoint, packed, asking=False, alone=True)
+                return
+            redirect = None
+        else:
+            redirect = node.redirect(reply, call.endpoint)
         if redirect is None:
             with self.connections.reactor.lock:
                 self._take(call)
             return
-        packed = self._packed(by_source=self.script.inline)
-        self._send(index, node, redirect.endpoint, packed, asking=redirect.asking)
+        packed = self._packed(by_source=self.script.inline, alone=alone)
+        self._send(index, node, redirect.endpoint, packed, asking=redirect.asking, alone=alone)
 
     def _time_out(self) -> None:
         """Whoever has not answered misses this round. A server that sent nothing for the

@@ -15,7 +15,7 @@ from __future__ import annotations
 from ..errors import RedlockError
 from ..settings import redact_url
 from .endpoint import Endpoint, KnownServers
-from .locating import Locator
+from .locating import Locator, first_answer
 from .members import LockNode
 from .resp import ErrorReply
 
@@ -68,24 +68,17 @@ class SentinelNode(LockNode):
         self.locator.relocate()
 
     def _ask_sentinels(self) -> None:
-        """Ask the sentinels, in turn, for the master's address."""
-        errors = []
-        for sentinel in self.sentinels:
-            try:
-                with sentinel.client() as client:
-                    address = client.execute_command(
-                        "SENTINEL", "GET-MASTER-ADDR-BY-NAME", self.service
-                    )
-            except Exception as error:
-                errors.append(f"{sentinel.name}: {error}")
-                continue
-            if isinstance(address, (list, tuple)) and len(address) == 2:
-                host, port = (
-                    part.decode(errors="replace") if isinstance(part, bytes) else str(part)
-                    for part in address
-                )
-                if port.isdigit():
-                    self._master = self.servers.at(host, int(port))
-                    return
-            errors.append(f"{sentinel.name}: knows no master named {self.service!r}")
-        raise RedlockError("; ".join(errors) or "no sentinel to ask")
+        """Ask the sentinels (at once) for the master's address; the first answer wins."""
+        self._master = first_answer(self.sentinels, self._master_named_by, lambda s: s.name)
+
+    def _master_named_by(self, sentinel: Endpoint) -> Endpoint:
+        with sentinel.client() as client:
+            address = client.execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", self.service)
+        if isinstance(address, (list, tuple)) and len(address) == 2:
+            host, port = (
+                part.decode(errors="replace") if isinstance(part, bytes) else str(part)
+                for part in address
+            )
+            if port.isdigit():
+                return self.servers.at(host, int(port))
+        raise RedlockError(f"knows no master named {self.service!r}")
