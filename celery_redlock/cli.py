@@ -118,6 +118,8 @@ def common_options(command: Callable[..., Any]) -> Callable[..., Any]:
 def echo_record(current: Session, record: admin.LockRecord) -> None:
     """A lock for people: its key, then its holder and time left, never its token."""
     click.echo(current.style(record.key, bold=True) + ("" if record.held else "  (NOT held)"))
+    if record.legacy_layout:
+        click.echo(current.style(f"    layout    {admin.LEGACY_NOTE}", fg="yellow"))
     owner = record.owner
     if owner is None:
         click.echo("    holder    unknown (no owner stored with the lock)")
@@ -249,7 +251,8 @@ def key(
             call = admin.call_key(current.app, task_name, args, kwargs)
         except TypeError as error:  # raised by a lock_key callable the call does not fit
             raise click.ClickException(str(error)) from error
-        listing = admin.lock_listing(current.app, [call.key], timeout=timeout)
+        keys = admin.keys_of_lock(current.app, call.key)
+        listing = admin.lock_listing(current.app, keys, timeout=timeout)
     found = (*listing.locks, *listing.minority, None)[0]
     data = {
         **call.to_json(),

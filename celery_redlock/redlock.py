@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from . import keyspace, scripts
 from .errors import ConfigurationError, LockNotAcquired, QuorumUnavailable
 from .nodes import Judge, LockNode, NodeGroup, RoundResult, members_from_urls
+from .nodes.cluster import ClusterNode
 from .outcomes import (
     Acquired,
     Acquisition,
@@ -127,6 +128,8 @@ class Redlock:
         )
         self._group = NodeGroup(members, self.node_timeout)
         self.quorum = self._group.quorum
+        # 0.2 had no cluster nodes, and a script's keys must share a cluster node's hash slot.
+        self.legacy_layout = not any(isinstance(node, ClusterNode) for node in members)
         self._checked_ttl: float | None = None
 
     @property
@@ -142,6 +145,15 @@ class Redlock:
     def key_for(self, resource: str) -> str:
         """The Redis key that locks ``resource`` (see `celery_redlock.keyspace`)."""
         return keyspace.lock_key(self.key_prefix, resource)
+
+    def legacy_key_of(self, key: str) -> str | None:
+        """Where 0.2 workers lock what ``key`` locks (`keyspace.legacy_key`): locks taken here
+        are held there too, and a lock held there is in the way. None for a group with a
+        cluster node (0.2 could not use one) or a key that is no lock key."""
+        return keyspace.legacy_key(self.key_prefix, key) if self.legacy_layout else None
+
+    def _with_legacy(self, key: str) -> str:
+        return self.legacy_key_of(key) or key  # the scripts read the key itself as "none"
 
     def drift(self, ttl: float) -> float:
         """Seconds subtracted from the validity of a ``ttl``-second lock for clock drift."""
@@ -215,7 +227,7 @@ class Redlock:
         # One token for every round: a SET of an earlier round that lands late on a slow node is
         # then this acquisition's own, not a stranger blocking it for a whole ttl.
         value = lock_value(acquisition.token, acquisition.owner)
-        keys = [key, keyspace.fence_key(key), keyspace.reservation_key(key)]
+        keys = [key, keyspace.fence_key(key), keyspace.reservation_key(key), self._with_legacy(key)]
         extra: list[str] = []
         if record is not None:
             keys.append(record.key)
@@ -405,7 +417,7 @@ class Redlock:
         # a node when the holder releases there could set the key again after the release.
         result = self._group.run(
             scripts.EXTEND,
-            (lock.key, keyspace.fence_key(lock.key)),
+            (lock.key, keyspace.fence_key(lock.key), self._with_legacy(lock.key)),
             (
                 lock.value,
                 max(1, int(ttl * 1000)),
@@ -444,7 +456,7 @@ class Redlock:
         False: the replies are read by this thread's next round. Each node executes the release
         before anything this thread sends it later.
         """
-        keys = [lock.key, keyspace.fence_key(lock.key)]
+        keys = [lock.key, keyspace.fence_key(lock.key), self._with_legacy(lock.key)]
         arguments: list[str | int] = [lock.value, max(0, int(hold * 1000))]
         if record is not None:
             keys.append(record.key)
@@ -465,7 +477,8 @@ class Redlock:
         ``wait``); returns on how many nodes it was released (0 when not waiting). A node that
         cannot be reached gets the release once it answers again, for the ``ttl`` seconds the
         value may live."""
-        keys, arguments = (key, keyspace.fence_key(key)), (value, 0)
+        keys = (key, keyspace.fence_key(key), self._with_legacy(key))
+        arguments = (value, 0)
         return self._group.run(
             scripts.RELEASE, keys, arguments, judge_zero_or_one, wait=wait, every=wait, owed_for=ttl
         ).successes
@@ -497,8 +510,9 @@ class Redlock:
         (`celery_redlock.owner.run_prefix`); returns on how many nodes. For freeing the lock of a
         process that is gone, and nobody else's."""
         key = self.key_for(resource)
+        keys = (key, self._with_legacy(key))
         result = self._group.run(
-            scripts.RELEASE_IF_OWNER, (key,), (owner_prefix,), judge_zero_or_one, every=True
+            scripts.RELEASE_IF_OWNER, keys, (owner_prefix,), judge_zero_or_one, every=True
         )
         return result.successes
 

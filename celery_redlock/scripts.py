@@ -80,37 +80,59 @@ end
 COVERED_REPLY = b"COVERED"
 """The status ACQUIRE answers when the record it was asked to check covers the caller's rank."""
 
-# KEYS[1] lock key, KEYS[2] its fencing counter, KEYS[3] its reservation, KEYS[4] (optional) a
-# record hash. ARGV[1] value (token|owner), ARGV[2] ttl in ms, ARGV[3] the caller's clock in
-# microseconds, ARGV[4] an owner prefix whose lock the caller replaces (counts as free) or '',
-# ARGV[5] and ARGV[6] (with KEYS[4]) the record's field and the caller's rank.
+# KEYS[1] lock key, KEYS[2] its fencing counter, KEYS[3] its reservation, KEYS[4] (optional) the
+# lock's 0.2-layout key (KEYS[1] again: none), KEYS[5] (optional) a record hash. ARGV[1] value
+# (token|owner), ARGV[2] ttl in ms, ARGV[3] the caller's clock in microseconds, ARGV[4] an owner
+# prefix whose lock the caller replaces (counts as free) or '', ARGV[5] and ARGV[6] (with KEYS[5])
+# the record's field and the caller's rank.
 # Returns the status COVERED when the record covers the rank; else the fencing token (an integer,
 # never below ARGV[3]) when the lock was taken — a key already holding ARGV[1] counts as taken (a
 # late SET of an earlier round of the same acquisition); else {the value in the way, its pttl in
-# ms}: the holder's, or, when the lock is free but reserved for someone else, the reservation's.
+# ms}: the holder's (at either key), or, when the lock is free but reserved for someone else, the
+# reservation's. A lock taken is written at both keys, so that 0.2 workers see it held; a 0.2
+# key of another type, or with a value no version writes, is left alone.
 # The fencing token is max(counter + 1, caller's clock): nodes that saw the same history agree.
 ACQUIRE = Script(
     "acquire",
     _CALL
     + _COVERS
     + """
-if KEYS[4] and covers(call('HGET', KEYS[4], ARGV[5]), ARGV[6]) then
+if KEYS[5] and covers(call('HGET', KEYS[5], ARGV[5]), ARGV[6]) then
     return redis.status_reply('COVERED')
 end
-local value = call('GET', KEYS[1])
-local free = not value or value == ARGV[1]
-if value and not free and ARGV[4] ~= '' then
+local function in_the_way(value)
+    if not value or value == ARGV[1] then
+        return false
+    end
+    if ARGV[4] == '' then
+        return true
+    end
     local owner = string.sub(value, (string.find(value, '|', 1, true) or #value) + 1)
-    free = string.sub(owner, 1, #ARGV[4]) == ARGV[4]
+    return string.sub(owner, 1, #ARGV[4]) ~= ARGV[4]
 end
-if not free then
+local value = call('GET', KEYS[1])
+if in_the_way(value) then
     return {value, call('PTTL', KEYS[1])}
+end
+local legacy = KEYS[4] ~= nil and KEYS[4] ~= KEYS[1]
+if legacy then
+    local old = redis.pcall('GET', KEYS[4])
+    if type(old) == 'string' and string.find(old, '^' .. string.rep('[0-9a-f]', 40)) then
+        if in_the_way(old) then
+            return {old, call('PTTL', KEYS[4])}
+        end
+    elseif old then
+        legacy = false
+    end
 end
 local reserved = call('GET', KEYS[3])
 if reserved and reserved ~= ARGV[1] then
     return {reserved, call('PTTL', KEYS[3])}
 end
 call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+if legacy then
+    call('SET', KEYS[4], ARGV[1], 'PX', ARGV[2])
+end
 local fence = math.max((tonumber(call('GET', KEYS[2])) or 0) + 1, tonumber(ARGV[3]))
 local keep = math.max(tonumber(ARGV[2]), call('PTTL', KEYS[2]))
 call('SET', KEYS[2], string.format('%.0f', fence), 'PX', keep)
@@ -133,9 +155,11 @@ return 1
 """,
 )
 
-# KEYS[1] lock key, KEYS[2] its fencing counter; ARGV[1] value; ARGV[2] new ttl in ms; ARGV[3] the
-# lock's fencing token; ARGV[4] the end of the lock's validity, in ms of the caller's wall clock.
-# Returns 1 if extended, 0 if another owner holds the key or it expired. A node that lost the key
+# KEYS[1] lock key, KEYS[2] its fencing counter, KEYS[3] (optional) its 0.2-layout key (KEYS[1]
+# again: none); ARGV[1] value; ARGV[2] new ttl in ms; ARGV[3] the lock's fencing token; ARGV[4]
+# the end of the lock's validity, in ms of the caller's wall clock.
+# Returns 1 if extended, 0 if another owner holds the key or it expired. The 0.2-layout copy is
+# extended with it (written again where it is gone). A node that lost the key
 # (restarted empty) gets it back, with its fencing counter, while the lock is valid by the
 # caller's clock — not when the extension reaches a node late (it was frozen): that would bring
 # back the lock of a holder that may be gone. The extension counts only where a majority confirms.
@@ -164,16 +188,26 @@ if KEYS[2] then
     end
     keep_fence(KEYS[2], tonumber(ARGV[2]))
 end
+if KEYS[3] and KEYS[3] ~= KEYS[1] then
+    local old = redis.pcall('GET', KEYS[3])
+    if old == ARGV[1] then
+        call('PEXPIRE', KEYS[3], ARGV[2])
+    elseif old == false then
+        call('SET', KEYS[3], ARGV[1], 'PX', ARGV[2])
+    end
+end
 return 1
 """,
     alone=True,
 )
 
 # KEYS[1] lock key (also the channel waiters listen on), KEYS[2] its fencing counter, KEYS[3]
-# (optional) a record hash. ARGV[1] value; ARGV[2] hold in ms (0: delete now; else keep the lock
-# that much longer); ARGV[3], ARGV[4], ARGV[5] (with KEYS[3]) the record's field, the rank to
-# record and the record's lifetime in ms.
-# Returns 1 if the lock was still ours, else 0; the record is written either way.
+# (optional) its 0.2-layout key (KEYS[1] again: none), KEYS[4] (optional) a record hash. ARGV[1]
+# value; ARGV[2] hold in ms (0: delete now; else keep the lock that much longer); ARGV[3],
+# ARGV[4], ARGV[5] (with KEYS[4]) the record's field, the rank to record and the record's
+# lifetime in ms.
+# Returns 1 if the lock was still ours, else 0; the record is written either way. The 0.2-layout
+# copy goes (or is kept) with the lock, where it holds ARGV[1].
 # Called with the lock key alone, the rest is left as it is.
 # The PUBLISH is a pcall: an ACL user may lack channel permissions, and the release counts anyway.
 RELEASE = Script(
@@ -196,11 +230,18 @@ if call('GET', KEYS[1]) == ARGV[1] then
     end
     released = 1
 end
-if KEYS[3] then
-    if not covers(call('HGET', KEYS[3], ARGV[3]), ARGV[4]) then
-        call('HSET', KEYS[3], ARGV[3], ARGV[4])
+if KEYS[3] and KEYS[3] ~= KEYS[1] and redis.pcall('GET', KEYS[3]) == ARGV[1] then
+    if tonumber(ARGV[2]) > 0 then
+        call('PEXPIRE', KEYS[3], ARGV[2])
+    else
+        call('DEL', KEYS[3])
     end
-    call('PEXPIRE', KEYS[3], ARGV[5])
+end
+if KEYS[4] then
+    if not covers(call('HGET', KEYS[4], ARGV[3]), ARGV[4]) then
+        call('HSET', KEYS[4], ARGV[3], ARGV[4])
+    end
+    call('PEXPIRE', KEYS[4], ARGV[5])
 end
 return released
 """,
@@ -211,11 +252,12 @@ return released
 # KEYS[1] lock key. Returns {current value or '', its pttl in ms}: who holds it, without taking it.
 READ = Script("read", _CALL + "return {call('GET', KEYS[1]) or '', call('PTTL', KEYS[1])}")
 
-# KEYS[1] lock key (its name checked by the caller: `keyspace.is_lock_key`). Deletes it whoever
-# holds it (operators' forced release), but only when it holds a lock value — a string of 40
-# lowercase hex digits (the token), alone or followed by '|' and the owner text — and tells
-# waiters. Returns 1 if deleted, 0 if there is no such key, else a string saying why the key is
-# not a lock (its type, or a value celery_redlock never writes): such a key is left alone.
+# KEYS[1] lock key (its name checked by the caller: `keyspace.is_lock_key`), KEYS[2] (optional)
+# its 0.2-layout key. Deletes it whoever holds it (operators' forced release), but only when it
+# holds a lock value — a string of 40 lowercase hex digits (the token), alone or followed by '|'
+# and the owner text — and tells waiters; the 0.2-layout copy of that value goes too.
+# Returns 1 if deleted, 0 if there is no such key, else a string saying why the key is not a lock
+# (its type, or a value celery_redlock never writes): such a key is left alone.
 FORCE_RELEASE = Script(
     "force_release",
     """
@@ -233,12 +275,16 @@ if not (string.find(value, '^' .. token .. '$') or string.find(value, '^' .. tok
 end
 redis.call('DEL', KEYS[1])
 redis.pcall('PUBLISH', KEYS[1], 'released')
+if KEYS[2] and redis.pcall('GET', KEYS[2]) == value then
+    redis.call('DEL', KEYS[2])
+end
 return 1
 """,
     inline=True,
 )
 
-# KEYS[1] lock key; ARGV[1] an owner prefix (`owner.run_prefix`). Deletes the lock only if it
+# KEYS[1] lock key, KEYS[2] (optional) its 0.2-layout key (KEYS[1] again: none); ARGV[1] an owner
+# prefix (`owner.run_prefix`). Deletes the lock (and its 0.2-layout copy) only if it
 # holds a lock value (token, '|', owner text) whose owner text starts with the prefix: how a
 # worker's main process frees the lock of a pool process it lost, and nobody else's (not the next
 # attempt's of the same task id in another process). A key of another type is not a lock: 0.
@@ -256,6 +302,9 @@ end
 if string.sub(value, 42, 41 + #ARGV[1]) == ARGV[1] then
     redis.call('DEL', KEYS[1])
     redis.pcall('PUBLISH', KEYS[1], 'released')
+    if KEYS[2] and KEYS[2] ~= KEYS[1] and redis.pcall('GET', KEYS[2]) == value then
+        redis.call('DEL', KEYS[2])
+    end
     return 1
 end
 return 0

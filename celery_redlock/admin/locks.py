@@ -101,11 +101,13 @@ def lock_key(app: Any, task_name: str, /, *args: Any, **kwargs: Any) -> str:
 
 
 def resolve_key(app: Any, key_or_resource: str) -> tuple[str, str]:
-    """``(key, resource)`` for a lock key (a lock's, or a lock's reservation) or a resource.
-    Raises `NotALock` for any other key under the prefix: a fencing counter, completion
-    records, schedule records."""
+    """``(key, resource)`` for a lock key (a lock's, or a lock's reservation, of today's layout
+    or of 0.2's) or a resource. Raises `NotALock` for any other key under the prefix: a fencing
+    counter, completion records, schedule records."""
     prefix = AppRuntime.for_app(app).settings.key_prefix
     resource = keyspace.resource_of(prefix, key_or_resource)
+    if resource is None:
+        resource = keyspace.legacy_resource_of(prefix, key_or_resource)
     if resource is not None:
         return key_or_resource, resource
     if key_or_resource.startswith(prefix):
@@ -175,6 +177,12 @@ def held_locks(
     return list(listing.locks)
 
 
+def keys_of_lock(app: Any, key: str) -> list[str]:
+    """``key`` and, where 0.2 workers may lock the same resource, its 0.2-layout key."""
+    legacy = AppRuntime.for_app(app).redlock.legacy_key_of(key)
+    return [key] if legacy is None else [key, legacy]
+
+
 def require_quorum(listing: LockListing, resource: str) -> None:
     """Raise `QuorumUnavailable` unless a majority of nodes answered ``listing``."""
     if not listing.has_quorum:
@@ -182,10 +190,11 @@ def require_quorum(listing: LockListing, resource: str) -> None:
 
 
 def holder(app: Any, task_name: str, /, *args: Any, **kwargs: Any) -> LockRecord | None:
-    """The record of whoever holds the lock a call ``task_name(*args, **kwargs)`` would take,
-    or None when it is free. Raises `QuorumUnavailable` when no majority of nodes answers."""
+    """The record of whoever holds the lock a call ``task_name(*args, **kwargs)`` would take
+    (under its key, or a 0.2 worker under the key's 0.2 layout), or None when it is free.
+    Raises `QuorumUnavailable` when no majority of nodes answers."""
     key = lock_key(app, task_name, *args, **kwargs)
-    listing = lock_listing(app, [key])
+    listing = lock_listing(app, keys_of_lock(app, key))
     require_quorum(listing, key)
     return listing.locks[0] if listing.locks else None
 
@@ -215,8 +224,9 @@ def force_release(app: Any, key: str, *, timeout: float = DEFAULT_TIMEOUT) -> Re
             # Only nodes that answered the read: the others' copies expire by their ttl.
             failed = {error.node for error in before.unreachable}
             answering = [node for node in reader.nodes if node.name not in failed]
+            keys = keys_of_lock(app, full_key)
             answers = ask_every_node(
-                answering, lambda client: release_forcibly(client, full_key), timeout
+                answering, lambda client: release_forcibly(client, keys), timeout
             )
             errors += unreachable_nodes(answers)
             deleted = [answer.node for answer in answers if answer.value is True]
@@ -242,11 +252,13 @@ def force_release(app: Any, key: str, *, timeout: float = DEFAULT_TIMEOUT) -> Re
     )
 
 
-def release_forcibly(client: NodeClient, key: str) -> bool | str:
-    """Run the forced release of ``key`` on one node (on the server that holds the key: a
-    cluster's master of its slot): True if deleted, False if the node has no such key, else why
-    the key is not a lock there (left alone)."""
-    reply = client.call_for_key(key, "EVAL", scripts.FORCE_RELEASE.source, 1, key)
+def release_forcibly(client: NodeClient, keys: Sequence[str]) -> bool | str:
+    """Run the forced release of ``keys[0]`` (its 0.2-layout copy ``keys[1]``, if given, goes
+    with it) on one node, on the server that holds the key (a cluster's master of its slot):
+    True if deleted, False if the node has no such key, else why the key is not a lock there
+    (left alone)."""
+    script = scripts.FORCE_RELEASE.source
+    reply = client.call_for_key(keys[0], "EVAL", script, len(keys), *keys)
     if isinstance(reply, (bytes, str)):
         if not text(reply).startswith(SCRIPT_REFUSALS):
             raise BadReply("the forced release", reply, "1, 0 or why the key is not a lock")

@@ -7,6 +7,12 @@ key where the cluster keeps it, and counts as one node. Only lock keys count
 (`celery_redlock.keyspace.is_lock_key`), and only lock values (`is_lock_value`): fencing
 counters, completion records, schedule records, keys of other types and application values under
 the prefix are never taken for locks.
+
+Locks that celery_redlock 0.2 workers hold, under keys without braces
+(`keyspace.is_legacy_lock_key`), are found too, unless a node has a cluster member (0.2 could not
+use one); their records say so (``legacy_layout``). Today's workers write every lock at its 0.2
+key as well: such a copy, holding the value of the lock's own key, is the same lock and is not
+listed twice.
 """
 
 from __future__ import annotations
@@ -129,7 +135,11 @@ class LockReader:
         for index, answer in enumerate(answers):
             if answer.value is None:
                 continue
-            for key, (value, milliseconds) in answer.value.locks.items():
+            locks = answer.value.locks
+            for key, (value, milliseconds) in locks.items():
+                current = keyspace.key_of_legacy(self.prefix, key)
+                if current is not None and locks.get(current, ("", 0))[0] == value:
+                    continue  # a lock of today's layout, written at its 0.2 key too
                 by_key.setdefault(key, []).append(StoredCopy(index, value, milliseconds))
             for key, reason in answer.value.not_locks.items():
                 not_locks.setdefault(key, {})[answer.node] = reason
@@ -146,7 +156,9 @@ class LockReader:
 
     def scan_server(self, server: ServerClient) -> list[str]:
         """Every lock key under the prefix on one server (SCAN, in batches)."""
-        pattern = keyspace.scan_pattern(self.prefix)
+        legacy = self.redlock.legacy_layout
+        scan = keyspace.legacy_scan_pattern if legacy else keyspace.scan_pattern
+        pattern = scan(self.prefix)
         cursor = "0"
         found: list[str] = []
         for _ in range(SCAN_CALLS_LIMIT):
@@ -157,10 +169,16 @@ class LockReader:
             if not cursor.isdigit():
                 raise BadReply("SCAN", reply[0], "a cursor")
             keys = [expect_text(key, "SCAN") for key in reply[1]]
-            found += [key for key in keys if keyspace.is_lock_key(self.prefix, key)]
+            found += [key for key in keys if self.is_lock_key(key, legacy)]
             if cursor == "0":
                 return sorted(set(found))
         raise BadReply("SCAN", cursor, f"the end of the keys after {SCAN_CALLS_LIMIT} calls")
+
+    def is_lock_key(self, key: str, legacy: bool) -> bool:
+        """True for a lock key under the prefix (with ``legacy``, of the 0.2 layout too)."""
+        if keyspace.is_lock_key(self.prefix, key):
+            return True
+        return legacy and keyspace.is_legacy_lock_key(self.prefix, key)
 
     def found_lock(self, key: str, copies: Sequence[StoredCopy]) -> FoundLock:
         """One lock's record from its copies (at least one)."""
@@ -176,15 +194,18 @@ class LockReader:
             lefts = [milliseconds for stored, milliseconds in pairs if stored == value]
             time_left = None if min(lefts) < 0 else round(max(lefts) / 1000, 3)
         holding = sum(stored == value for stored, _ in pairs)
+        resource = keyspace.resource_of(self.prefix, key)
+        legacy_resource = None if resource else keyspace.legacy_resource_of(self.prefix, key)
         record = LockRecord(
             key=key,
-            resource=keyspace.resource_of(self.prefix, key) or key,
+            resource=resource or legacy_resource or key,
             owner=Owner.parse(owner_text_of(value)),
             held=held is not None,
             time_left=time_left,
             nodes_holding=holding,
             nodes_total=len(self.nodes),
             nodes_with_other_values=len(pairs) - holding,
+            legacy_layout=legacy_resource is not None,
         )
         return FoundLock(record, value, tuple(copies))
 

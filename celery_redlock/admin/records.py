@@ -31,6 +31,9 @@ KEPT = "kept"
 GONE = "gone"
 """Reap action: proven, but released or taken by someone else before it could be freed."""
 
+LEGACY_NOTE = "0.2 key layout: a celery-redlock 0.2 worker's lock; 0.3 workers treat it as held"
+"""How a lock under a 0.2-layout key is described to people."""
+
 
 @dataclass(frozen=True)
 class NodeError:
@@ -186,7 +189,9 @@ class LockRecord:
     expire by themselves. ``time_left`` is when the lock stops being held unless extended (None:
     the key has no expiry). ``worker_answers`` and ``task_active`` are None unless the workers
     were asked (``check_workers=True``): whether the holder's worker answered a ping, and whether
-    the holder's task id is active or reserved there.
+    the holder's task id is active or reserved there. ``legacy_layout``: the key has the 0.2
+    layout (no braces): a celery-redlock 0.2 worker holds it, and today's workers treat the
+    lock as held.
     """
 
     key: str
@@ -199,6 +204,7 @@ class LockRecord:
     nodes_with_other_values: int = 0
     worker_answers: bool | None = None
     task_active: bool | None = None
+    legacy_layout: bool = False
 
     @property
     def task(self) -> str | None:
@@ -246,7 +252,8 @@ class LockRecord:
         left = "no expiry" if self.time_left is None else f"{self.time_left:.1f}s left"
         state = "held" if self.held else "NOT held (on a minority of nodes only)"
         nodes = f"{self.nodes_holding}/{self.nodes_total}"
-        return f"{state} by {self.describe()}, on {nodes} nodes, {left}"
+        layout = f" ({LEGACY_NOTE})" if self.legacy_layout else ""
+        return f"{state} by {self.describe()}, on {nodes} nodes, {left}{layout}"
 
     def to_json(self) -> dict[str, Any]:
         """The JSON form: the owner's public fields, never the token."""
@@ -273,6 +280,7 @@ class LockRecord:
             "nodes_with_other_values": self.nodes_with_other_values,
             "worker_answers": self.worker_answers,
             "task_active": self.task_active,
+            "legacy_layout": self.legacy_layout,
         }
 
 

@@ -57,6 +57,7 @@ def status_report(app: Any, timeout: float = DEFAULT_TIMEOUT) -> StatusReport:
     with LockReader(app, timeout) as reader:
         answers = ask_every_node(reader.nodes, probe_member, reader.timeout)
         largest_ttl = largest_lock_ttl(app, reader.settings)
+        legacy = legacy_lock_warnings(reader)
     errors = {node.node: node.error for node in unreachable_nodes(answers)}
     statuses = []
     for node, answer in zip(reader.nodes, answers, strict=True):
@@ -65,7 +66,7 @@ def status_report(app: Any, timeout: float = DEFAULT_TIMEOUT) -> StatusReport:
             continue
         status = dataclasses.replace(answer.value, node=answer.node)
         statuses.append(with_warnings(status, node, largest_ttl))
-    group_warnings = group_safety_warnings(statuses, reader.quorum)
+    group_warnings = group_safety_warnings(statuses, reader.quorum) + legacy
     return StatusReport(tuple(statuses), reader.quorum, largest_ttl, tuple(group_warnings))
 
 
@@ -363,6 +364,22 @@ def same_server_warnings(statuses: Sequence[NodeStatus]) -> list[str]:
         "independent, or one crash removes several votes"
         for names in by_server.values()
         if len(names) > 1
+    ]
+
+
+def legacy_lock_warnings(reader: LockReader) -> list[str]:
+    """A warning naming the locks that celery-redlock 0.2 workers hold (0.2-layout keys), if
+    any: the fleet is being upgraded."""
+    if not reader.redlock.legacy_layout:
+        return []
+    keys = [found.record.key for found in reader.read(None).found if found.record.legacy_layout]
+    if not keys:
+        return []
+    shown = ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+    return [
+        f"{len(keys)} lock(s) under 0.2-layout keys ({shown}): celery-redlock 0.2 workers or "
+        "beats hold them, and 0.3 workers treat them as held; `celery redlock list` shows "
+        "their holders (README: Upgrading)"
     ]
 
 

@@ -1,0 +1,236 @@
+"""A fleet upgraded from celery-redlock 0.2 while it runs (issue 25, problem 5). 0.2 locked
+``redlock:<resource>``; today a lock lives at ``redlock:{<resource>}``. With real servers, and
+0.2's locks written directly as a 0.2 worker or beat writes them (``SET key value NX PX`` with a
+token and 0.2's owner text):
+
+- a 0.2 worker's lock is in the way of today's workers (a real worker skips the call), of the
+  lock core, and of today's beat leaders (a real ``celery beat`` does not lead);
+- a lock taken today is written at its 0.2 key too (where a 0.2 worker's ``SET NX`` fails),
+  extended and released with it, and freed with it by a forced release;
+- ``celery redlock list``, ``key`` and ``status`` show 0.2 workers' locks as such, and a lock of
+  today's layout once.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import pytest
+from celery_apps import leader_app, prefork_app
+from celery_apps.subprocesses import (
+    BeatProcess,
+    Recorder,
+    WorkerProcess,
+    app_environment,
+    celery_processes,
+    control_app,
+)
+from celery_apps.support import LOCK_EVENTS, RunLog
+from cli_app import create_app
+from cli_support import FAST, as_json, invoke
+from conftest import MakeRedisNodes
+from redlock_support import pttls_on, values_on, wait_until
+
+from celery_redlock import Redlock, RedlockSettings, admin, keyspace
+from celery_redlock.errors import DuplicateSkipped
+from celery_redlock.outcomes import Acquired, Held
+from celery_redlock.testing import RedisNodes, RedisServer
+
+PREFIX = "redlock:"
+LEGACY_LEASE_KEY = PREFIX + RedlockSettings.beat_lease_name
+LEGACY_LEASE = 4.0  # seconds the 0.2 beat's lease lasts in the beat test (it is not extended)
+
+
+def legacy_value(task: str | None, task_id: str | None, role: str | None = None) -> str:
+    """A stored value as 0.2 wrote it: 40 hex digits of token, ``|``, the owner as compact JSON
+    with ``id``, ``queued``, ``pid`` and ``host`` first."""
+    owner: dict[str, object] = {
+        "id": task_id,
+        "queued": False,
+        "pid": 4242,
+        "host": "old-host",
+        "task": task,
+        "retries": 0,
+        "nesting": 0,
+        "since": round(time.time(), 3),
+    }
+    if role is not None:
+        owner["role"] = role
+    else:
+        owner["worker"] = "old@old-host"
+    return secrets.token_hex(20) + "|" + json.dumps(owner, separators=(",", ":"))
+
+
+def lock_as_0_2(nodes: Iterable[RedisServer], key: str, value: str, ttl: float = 60.0) -> None:
+    """What a 0.2 worker's acquisition leaves on ``nodes``: ``SET key value NX PX ttl``."""
+    for server in nodes:
+        with server.client(socket_timeout=2) as client:
+            assert client.set(key, value, nx=True, px=int(ttl * 1000))
+
+
+def delete(nodes: Iterable[RedisServer], key: str) -> None:
+    for server in nodes:
+        with server.client(socket_timeout=2) as client:
+            client.delete(key)
+
+
+@pytest.fixture
+def three(redis_nodes: MakeRedisNodes) -> RedisNodes:
+    return redis_nodes(3)
+
+
+@pytest.fixture
+def redlock(three: RedisNodes) -> Iterator[Redlock]:
+    manager = Redlock(three.urls)
+    yield manager
+    manager.close()
+
+
+# -- the lock core ------------------------------------------------------------------------------
+
+
+def test_a_0_2_lock_is_held_for_the_lock_of_today(three: RedisNodes, redlock: Redlock) -> None:
+    value = legacy_value("proj.tasks.sync", "id-of-0.2")
+    lock_as_0_2(three, PREFIX + "proj.tasks.sync:abc", value)
+
+    outcome = redlock.attempt("proj.tasks.sync:abc", 10.0)
+    assert isinstance(outcome, Held), outcome
+    assert json.loads(outcome.holder)["id"] == "id-of-0.2"
+    assert values_on(three, "redlock:{proj.tasks.sync:abc}") == [None] * 3  # nothing taken
+
+    # On a minority only (a 0.2 acquisition that failed), it is no lock: the lock is taken.
+    delete([three[1], three[2]], PREFIX + "proj.tasks.sync:abc")
+    assert isinstance(redlock.attempt("proj.tasks.sync:abc", 10.0), Acquired)
+
+
+def test_a_lock_of_today_is_held_at_its_0_2_key_too(three: RedisNodes, redlock: Redlock) -> None:
+    outcome = redlock.attempt("proj.tasks.report:abc", 10.0)
+    assert isinstance(outcome, Acquired)
+    lock, legacy = outcome.lock, PREFIX + "proj.tasks.report:abc"
+    assert values_on(three, legacy) == [lock.value] * 3
+    for server in three:  # what a 0.2 worker's acquisition does: it fails
+        with server.client(socket_timeout=2) as client:
+            assert not client.set(legacy, legacy_value("proj.tasks.report", "x"), nx=True, px=1)
+
+    assert redlock.extend(lock, 30.0)
+    assert min(pttls_on(three, legacy)) > 20_000  # extended with the lock (ttl was 10 s)
+    assert redlock.release(lock)
+    assert values_on(three, legacy) == [None] * 3
+
+    # A key of 0.2's layout holding what no version writes is neither in the way nor replaced.
+    for server in three:
+        with server.client(socket_timeout=2) as client:
+            client.set(legacy, "an application's own value")
+    again = redlock.acquire("proj.tasks.report:abc", 10.0)
+    assert again is not None
+    assert values_on(three, legacy) == ["an application's own value"] * 3
+    redlock.release(again)
+
+
+# -- a real worker -------------------------------------------------------------------------------
+
+
+def test_a_worker_skips_a_call_whose_0_2_lock_is_held(redis_nodes: MakeRedisNodes) -> None:
+    broker, locks = redis_nodes(1)[0], redis_nodes(3)
+    key = prefork_app.sleeper.lock_key_for("upgrade-key", 0.05)
+    legacy = PREFIX + key[len(PREFIX) + 1 : -1]  # the braces dropped
+    assert keyspace.legacy_key(PREFIX, key) == legacy
+    lock_as_0_2(locks, legacy, legacy_value(prefork_app.sleeper.name, "held-by-0.2"))
+    client = control_app(broker, result_backend=broker.url)
+    log = RunLog(broker.url)
+    worker = WorkerProcess("celery_apps.prefork_app", "upgraded", app_environment(broker, locks))
+    try:
+        with celery_processes() as processes:
+            processes.append(worker.start())
+            worker.wait_ready(client)
+            skipped = client.send_task(prefork_app.sleeper.name, args=("upgrade-key", 0.05))
+            with pytest.raises(DuplicateSkipped, match=r"sleeper\[held-by-0\.2\] on old@old-host"):
+                skipped.get(timeout=30)
+
+            events = log.read(LOCK_EVENTS)
+            duplicates = [event for event in events if event["signal"] == "lock_duplicate"]
+            assert [(event["key"], event["policy"]) for event in duplicates] == [(key, "skip")]
+            assert "held-by-0.2" in str(duplicates[0]["holder"])
+            assert log.started() == []
+
+            delete(locks, legacy)  # the 0.2 worker is done: the next call runs
+            ran = client.send_task(prefork_app.sleeper.name, args=("upgrade-key", 0.05))
+            assert ran.get(timeout=30)["key"] == key
+            assert len(log.started()) == 1
+    finally:
+        client.close()
+
+
+# -- the operators' tools -----------------------------------------------------------------------
+
+
+def test_list_key_and_status_show_a_0_2_lock_and_a_lock_of_today_once(three: RedisNodes) -> None:
+    app = create_app(three.urls)
+    call_key = admin.call_key(app, "cli_app.sync_account", [7])
+    legacy = PREFIX + call_key.resource
+    lock_as_0_2(three, legacy, legacy_value("cli_app.sync_account", "id-of-0.2"))
+    today = Redlock(three.urls)
+    try:
+        ours = today.acquire("proj.today", 30.0)
+        assert ours is not None
+
+        listed = invoke(app, "list", *FAST)
+        assert listed.exit_code == 0, listed.output
+        assert listed.stdout.startswith("2 lock(s) held (3 of 3 lock nodes answered")
+        assert f"{legacy}\n    layout    {admin.LEGACY_NOTE}\n" in listed.stdout
+        assert listed.stdout.count("proj.today") == 1  # its 0.2-layout copy is the same lock
+        records = {
+            record["key"]: record for record in as_json(invoke(app, "list", "--json"))["locks"]
+        }
+        assert records[legacy]["legacy_layout"] is True
+        assert records[legacy]["task_id"] == "id-of-0.2"
+        assert records["redlock:{proj.today}"]["legacy_layout"] is False
+
+        shown = invoke(app, "key", "cli_app.sync_account", "7", *FAST)
+        assert shown.exit_code == 0, shown.output
+        assert "state     held by task cli_app.sync_account" in shown.stdout
+        assert admin.LEGACY_NOTE in shown.stdout
+        holder = admin.holder(app, "cli_app.sync_account", 7)
+        assert holder is not None and holder.task_id == "id-of-0.2" and holder.legacy_layout
+
+        status = invoke(app, "status", *FAST)
+        assert f"1 lock(s) under 0.2-layout keys ({legacy})" in status.stdout, status.output
+
+        # A forced release of today's lock frees its 0.2-layout copy too; a 0.2 key may be named.
+        assert admin.force_release(app, "redlock:{proj.today}").deleted_on
+        assert values_on(three, PREFIX + "proj.today") == [None] * 3
+        released = invoke(app, "release", legacy, "--force", "--yes", *FAST)
+        assert released.exit_code == 0, released.output
+        assert values_on(three, legacy) == [None] * 3
+    finally:
+        today.close()
+
+
+# -- beat ---------------------------------------------------------------------------------------
+
+
+def test_a_beat_does_not_lead_while_a_0_2_beat_holds_the_lease(
+    redis_nodes: MakeRedisNodes, tmp_path: Path
+) -> None:
+    broker, locks = redis_nodes(1)[0], redis_nodes(3)
+    written_at = time.time()
+    lock_as_0_2(locks, LEGACY_LEASE_KEY, legacy_value(None, None, role="beat"), ttl=LEGACY_LEASE)
+    recorder = Recorder(broker.url)
+    lease_key = keyspace.lock_key(PREFIX, RedlockSettings.beat_lease_name)
+    beat = BeatProcess(leader_app.__name__, tmp_path / "schedule", app_environment(broker, locks))
+    with celery_processes() as processes:
+        processes.append(beat.start())
+        assert wait_until(lambda: "standing by" in beat.log_text(), timeout=30, alive=[beat])
+        assert recorder.read(leader_app.SENT) == []
+        assert values_on(locks, lease_key) == [None] * 3
+
+        # The 0.2 beat's lease ends (it stopped): this beat leads, at both keys.
+        assert wait_until(lambda: recorder.read(leader_app.SENT), timeout=15, alive=[beat])
+        first_send = min(float(record["at"]) for record in recorder.read(leader_app.SENT))
+        lease = values_on(locks, lease_key)
+        assert lease[0] is not None and values_on(locks, LEGACY_LEASE_KEY) == lease
+    assert first_send >= written_at + LEGACY_LEASE  # not one tick while the 0.2 beat led
