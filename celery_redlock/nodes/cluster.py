@@ -11,7 +11,7 @@ as its masters together.
 
 from __future__ import annotations
 
-import binascii
+from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
 from ..errors import RedlockError
 from ..settings import redact_url
@@ -20,19 +20,7 @@ from .locating import Locator, first_answer
 from .members import LockNode, Redirect
 from .resp import ErrorReply
 
-SLOTS = 16384
-
-
-def hash_slot(key: str) -> int:
-    """The cluster slot of ``key``: CRC16 of its hash tag (the part inside its first ``{...}``,
-    when not empty), or of the whole key."""
-    data = key.encode()
-    start = data.find(b"{")
-    if start >= 0:
-        end = data.find(b"}", start + 1)
-        if end > start + 1:
-            data = data[start + 1 : end]
-    return binascii.crc_hqx(data, 0) % SLOTS
+SLOTS = REDIS_CLUSTER_HASH_SLOTS
 
 
 class ClusterNode(LockNode):
@@ -51,7 +39,7 @@ class ClusterNode(LockNode):
     def endpoint_for(self, key: str) -> Endpoint | None:
         if not self.locator.ensure():
             return None
-        return self._slots[hash_slot(key)]
+        return self._slots[key_slot(key.encode())]
 
     def endpoints(self) -> list[Endpoint]:
         self.locator.ensure(wait_for_the_look=True)
