@@ -158,11 +158,11 @@ return 1
 # KEYS[1] lock key, KEYS[2] its fencing counter, KEYS[3] (optional) its 0.2-layout key (KEYS[1]
 # again: none); ARGV[1] value; ARGV[2] new ttl in ms; ARGV[3] the lock's fencing token; ARGV[4]
 # the end of the lock's validity, in ms of the caller's wall clock.
-# Returns 1 if extended, 0 if another owner holds the key or it expired. The 0.2-layout copy is
-# extended with it (written again where it is gone). A node that lost the key
+# Returns 1 if extended, 0 if another owner holds the key or it expired. A node that lost the key
 # (restarted empty) gets it back, with its fencing counter, while the lock is valid by the
 # caller's clock — not when the extension reaches a node late (it was frozen): that would bring
 # back the lock of a holder that may be gone. The extension counts only where a majority confirms.
+# The 0.2-layout copy is extended with the lock (written again where it is gone).
 # Called with the lock key alone, the fencing counter is left as it is (the next extension with
 # both keys raises and keeps it again).
 EXTEND = Script(
