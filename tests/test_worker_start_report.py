@@ -139,3 +139,21 @@ def test_a_wrong_redlock_password_names_the_setting_on_every_node(
         assert f"lock node {url} refuses this worker" in line
         assert "set redlock_password (and redlock_username for an ACL user)" in line
     assert any("no quorum of lock nodes answers at worker start" in line for line in errors)
+
+
+def test_an_acl_that_denies_the_lock_scripts_is_a_configuration_error(
+    redis_nodes: MakeRedisNodes,
+) -> None:
+    broker = redis_nodes(1)[0]
+    nodes = redis_nodes(3, password=SECRET)
+    nodes[0].apply_acl("ACL SETUSER locks on >user-word ~redlock:* +ping +info")  # no +eval
+    for server in (nodes[1], nodes[2]):
+        server.apply_acl("ACL SETUSER locks on >user-word ~redlock:* +@all")
+    urls = [f"redis://127.0.0.1:{server.port}/0" for server in nodes]
+    settings = {"redlock_urls": urls, "redlock_username": "locks", "redlock_password": "user-word"}
+    log = started_worker_log(broker, "acl", settings)
+    assert report_line(log).startswith("2 of 3 answer, 2 make a quorum: a quorum answers; ")
+    (error,) = error_lines(log)
+    assert f"lock node {urls[0]} refuses this worker (the node's user may not run 'eval'" in error
+    assert "grant it with ACL SETUSER locks +eval" in error
+    assert "a configuration fault, not an outage" in error

@@ -70,7 +70,12 @@ def report(app: Any) -> list[NodeCheck | None]:
     with LockReader(app, SHORTEST_TIMEOUT) as reader:
         timeout = max(reader.settings.node_timeout, SHORTEST_TIMEOUT)
         key = keyspace.lock_key(reader.prefix, CHECK_RESOURCE)
-        answers = ask_every_node(reader.nodes, lambda client: check_node(client, key), timeout)
+        user = reader.settings.username or "default"  # the user of URLs that name none
+
+        def check(client: NodeClient) -> NodeCheck:
+            return check_node(client, key, user)
+
+        answers = ask_every_node(reader.nodes, check, timeout)
         urls, quorum = reader.settings.urls, reader.quorum
     checks = [answer.value for answer in answers]
     logger.info("%s", summary_line(answers, quorum))
@@ -86,17 +91,18 @@ def report(app: Any) -> list[NodeCheck | None]:
     return checks
 
 
-def check_node(client: NodeClient, key: str) -> NodeCheck:
+def check_node(client: NodeClient, key: str, user: str) -> NodeCheck:
     """Identify the node's servers, then read ``key`` through the read script; an
-    authentication or ACL refusal is a `NodeCheck` with ``denied``, anything else that goes
-    wrong raises (the node does not answer)."""
+    authentication or ACL refusal is a `NodeCheck` with ``denied`` (naming the node's ACL
+    user: its URL's, else ``user``), anything else that goes wrong raises (the node does not
+    answer)."""
     try:
         servers = [identify(server) for server in client.servers()]
         reply = client.call_for_key(key, "EVAL", scripts.READ.source, 1, key)
     except AuthenticationError as error:
         return NodeCheck(NodeStatus(client.node, reachable=True), denied=f"{error}".strip())
     except ResponseError as error:
-        fix = access_fix(error, client.user)
+        fix = access_fix(error, user if client.user == "<user>" else client.user)
         if fix is None:
             raise
         return NodeCheck(NodeStatus(client.node, reachable=True), denied=fix)
