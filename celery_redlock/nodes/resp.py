@@ -82,11 +82,6 @@ class ReplyParser:
             return INCOMPLETE
         return reply
 
-    @property
-    def holds_partial_reply(self) -> bool:
-        """True when bytes of a reply not yet complete are buffered."""
-        return self._position < len(self._buffer)
-
     def _line(self, start: int) -> tuple[bytes, int]:
         end = self._buffer.find(b"\r\n", start)
         if end < 0:
