@@ -18,6 +18,7 @@ only where its ACL allows the lock scripts and keys. Nothing is written.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from typing import Any
 from redis.exceptions import AuthenticationError, ResponseError
 
 from .. import keyspace, scripts
+from ..nodes.cluster import ClusterNode
 from ..replies import judge_copy
 from ..settings import has_credentials
 from ..task import SingletonTask
@@ -100,7 +102,7 @@ def check_node(client: NodeClient, key: str, user: str) -> NodeCheck:
         servers = [identify(server) for server in client.servers()]
         reply = client.call_for_key(key, "EVAL", scripts.READ.source, 1, key)
     except AuthenticationError as error:
-        return NodeCheck(NodeStatus(client.node, reachable=True), denied=f"{error}".strip())
+        return NodeCheck(NodeStatus(client.node, reachable=True), denied=str(error).strip())
     except ResponseError as error:
         fix = access_fix(error, user if client.user == "<user>" else client.user)
         if fix is None:
@@ -108,9 +110,9 @@ def check_node(client: NodeClient, key: str, user: str) -> NodeCheck:
         return NodeCheck(NodeStatus(client.node, reachable=True), denied=fix)
     if judge_copy(reply) is None:
         raise BadReply("the read script", reply, "a value and its pttl")
-    if len(servers) == 1:
-        return NodeCheck(servers[0])
-    return NodeCheck(merged_status(client.node, servers))
+    if isinstance(client.member, ClusterNode):
+        return NodeCheck(merged_status(client.node, servers))
+    return NodeCheck(dataclasses.replace(servers[0], node=client.node))
 
 
 def identify(server: ServerClient) -> NodeStatus:
