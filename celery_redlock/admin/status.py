@@ -372,7 +372,8 @@ def legacy_lock_warnings(reader: LockReader) -> list[str]:
     any: the fleet is being upgraded."""
     if not reader.redlock.legacy_layout:
         return []
-    keys = [found.record.key for found in reader.read(None).found if found.record.legacy_layout]
+    found = reader.read(None).found
+    keys = [lock.record.key for lock in found if lock.record.legacy_layout and lock.record.held]
     if not keys:
         return []
     shown = ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
