@@ -8,13 +8,17 @@ token and 0.2's owner text):
 - a lock taken today is written at its 0.2 key too (where a 0.2 worker's ``SET NX`` fails),
   extended and released with it, and freed with it by a forced release;
 - ``celery redlock list``, ``key`` and ``status`` show 0.2 workers' locks as such, and a lock of
-  today's layout once.
+  today's layout once;
+- and a real 0.2.0 worker (its sources from this repository's history) beside a worker of today
+  never runs a key while the other does.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import secrets
+import subprocess
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -22,6 +26,7 @@ from pathlib import Path
 import pytest
 from celery_apps import leader_app, prefork_app
 from celery_apps.subprocesses import (
+    TESTS_DIRECTORY,
     BeatProcess,
     Recorder,
     WorkerProcess,
@@ -35,13 +40,14 @@ from cli_support import FAST, as_json, invoke
 from conftest import MakeRedisNodes
 from redlock_support import pttls_on, values_on, wait_until
 
-from celery_redlock import Redlock, RedlockSettings, admin, keyspace
+from celery_redlock import Redlock, RedlockSettings, admin, keyspace, testing
 from celery_redlock.errors import DuplicateSkipped
 from celery_redlock.outcomes import Acquired, Held
 from celery_redlock.testing import RedisNodes, RedisServer
 
 PREFIX = "redlock:"
 LEGACY_LEASE_KEY = PREFIX + RedlockSettings.beat_lease_name
+RELEASE_0_2 = "32a0ac78195097a622b47bf2239e5084895486b3"  # "Packaging and CI", version 0.2.0
 LEGACY_LEASE = 4.0  # seconds the 0.2 beat's lease lasts in the beat test (it is not extended)
 
 
@@ -63,6 +69,22 @@ def legacy_value(task: str | None, task_id: str | None, role: str | None = None)
     else:
         owner["worker"] = "old@old-host"
     return secrets.token_hex(20) + "|" + json.dumps(owner, separators=(",", ":"))
+
+
+def sources_of_0_2(directory: Path) -> Path:
+    """``celery_redlock`` as released in 0.2.0, taken from this repository's history into
+    ``directory`` (the test is skipped where the history is not there: a shallow clone)."""
+    try:
+        archive = subprocess.run(
+            ["git", "-C", str(TESTS_DIRECTORY.parent), "archive", RELEASE_0_2, "celery_redlock"],
+            capture_output=True,
+            check=True,
+            timeout=60,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        pytest.skip(f"0.2.0 ({RELEASE_0_2[:7]}) is not in this checkout's git history")
+    subprocess.run(["tar", "-x", "-C", str(directory)], input=archive, check=True, timeout=60)
+    return directory
 
 
 def lock_as_0_2(nodes: Iterable[RedisServer], key: str, value: str, ttl: float = 60.0) -> None:
@@ -162,6 +184,49 @@ def test_a_worker_skips_a_call_whose_0_2_lock_is_held(redis_nodes: MakeRedisNode
             assert len(log.started()) == 1
     finally:
         client.close()
+
+
+def test_a_0_2_worker_and_a_worker_of_today_never_run_one_key_at_once(
+    redis_nodes: MakeRedisNodes, tmp_path: Path
+) -> None:
+    """celery-redlock 0.2.0 itself (from this repository's history) beside today's: 120 calls
+    on 4 keys, every overlap of two runs of one key counted (before today's 0.2-layout keys:
+    dozens, each version running beside the other)."""
+    old = sources_of_0_2(tmp_path)
+    broker, locks = redis_nodes(1)[0], redis_nodes(3)
+    environment = {"CRL_BROKER_URL": broker.url, "CRL_LOCK_URLS": ",".join(locks.urls)}
+    workers = [
+        testing.CeleryWorker(
+            "celery_apps.upgrade_app",
+            name,
+            pool="threads",
+            concurrency=4,
+            environment=environment,
+            python_path=[*first, TESTS_DIRECTORY],
+            working_directory=TESTS_DIRECTORY,
+        )
+        for name, first in (("version-0-2", [old]), ("version-today", []))
+    ]
+    client = control_app(broker, result_backend=broker.url)
+    try:
+        with celery_processes() as processes:
+            for worker in workers:
+                processes.append(worker.start())
+            testing.wait_for_workers(client, workers)
+            calls = [(f"key-{index % 4}", 0.02 + index % 3 * 0.03) for index in range(120)]
+            results = [client.send_task("upgrade.job", args=call) for call in calls]
+            for result in results:  # each ran, or was skipped as a duplicate (REVOKED)
+                result.get(timeout=60, propagate=False)
+        with broker.client() as records:
+            runs = [json.loads(entry) for entry in records.lrange("upgrade:runs", 0, -1)]
+    finally:
+        client.close()
+    assert {version for *_, version in runs} == {"0.2.0", "today"}, runs
+    overlaps = []
+    for key in {key for key, *_ in runs}:
+        spans = sorted((start, end, version) for other, start, end, version in runs if other == key)
+        overlaps += [(key, a, b) for a, b in itertools.pairwise(spans) if b[0] < a[1]]
+    assert overlaps == [], f"{len(overlaps)} overlapping runs of one key: {overlaps[:3]}"
 
 
 # -- the operators' tools -----------------------------------------------------------------------
