@@ -10,7 +10,7 @@ token and 0.2's owner text):
 - ``celery redlock list``, ``key`` and ``status`` show 0.2 workers' locks as such, and a lock of
   today's layout once;
 - and a real 0.2.0 worker (its sources from this repository's history) beside a worker of today
-  never runs a key while the other does.
+  never runs a key while the other does; a real 0.2.0 beat and a beat of today never both lead.
 """
 
 from __future__ import annotations
@@ -227,6 +227,48 @@ def test_a_0_2_worker_and_a_worker_of_today_never_run_one_key_at_once(
         spans = sorted((start, end, version) for other, start, end, version in runs if other == key)
         overlaps += [(key, a, b) for a, b in itertools.pairwise(spans) if b[0] < a[1]]
     assert overlaps == [], f"{len(overlaps)} overlapping runs of one key: {overlaps[:3]}"
+
+
+def test_a_0_2_beat_and_a_beat_of_today_never_lead_at_once(
+    redis_nodes: MakeRedisNodes, tmp_path: Path
+) -> None:
+    """celery-redlock 0.2.0's `LeaderScheduler` beside today's: only one of them sends, until it
+    is killed; then only the other."""
+    old = sources_of_0_2(tmp_path)
+    broker, locks = redis_nodes(1)[0], redis_nodes(3)
+    environment = {"CRL_BROKER_URL": broker.url, "CRL_LOCK_URLS": ",".join(locks.urls)}
+    beats = {
+        version: testing.CeleryBeat(
+            "celery_apps.upgrade_app",
+            tmp_path / f"schedule-{version}",
+            environment=environment,
+            python_path=[*first, TESTS_DIRECTORY],
+            working_directory=TESTS_DIRECTORY,
+        )
+        for version, first in (("0.2.0", [old]), ("today", []))
+    }
+    with broker.client() as records, celery_processes() as processes:
+
+        def sent() -> list[tuple[float, str]]:
+            return [tuple(json.loads(entry))[:2] for entry in records.lrange("upgrade:sent", 0, -1)]
+
+        for beat in beats.values():
+            processes.append(beat.start())
+        alive = list(beats.values())
+        assert wait_until(lambda: len(sent()) >= 8, timeout=30, alive=alive), sent()
+        leader = sent()[0][1]
+        beats[leader].kill()
+        killed_at = time.time()
+        follower = next(version for version in beats if version != leader)
+        after = wait_until(
+            lambda: sum(at > killed_at for at, _ in sent()) >= 4,
+            timeout=30,
+            alive=[beats[follower]],
+        )
+        ticks = sent()
+    assert after, ticks
+    assert {version for at, version in ticks if at <= killed_at} == {leader}, ticks
+    assert {version for at, version in ticks if at > killed_at} == {follower}, ticks
 
 
 # -- the operators' tools -----------------------------------------------------------------------
