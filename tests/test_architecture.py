@@ -18,7 +18,8 @@ import pytest
 
 PACKAGE = "celery_redlock"
 ROOT = Path(__file__).resolve().parent.parent / PACKAGE
-LONGEST_MODULE = 500
+# About 500 lines is a guide, never a reason to split one concern; past 600 a module holds two.
+LONGEST_MODULE = 600
 ALLOWED_LONGER = {"celery_redlock.nodes"}
 
 
