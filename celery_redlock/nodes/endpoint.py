@@ -29,7 +29,12 @@ from typing import Any
 import redis
 from redis.backoff import NoBackoff
 from redis.connection import AbstractConnection, Connection, ConnectionPool
-from redis.exceptions import AskError, MovedError, ResponseError
+from redis.exceptions import (
+    ClusterDownError,
+    OutOfMemoryError,
+    ResponseError,
+    TryAgainError,
+)
 from redis.exceptions import RedisError as RedisClientError
 from redis.retry import Retry
 
@@ -43,6 +48,10 @@ MAX_BACKOFF_SECONDS = 0.5  # a server that comes back is in use again within abo
 PROBE_TIMEOUT_SECONDS = 1.0
 """How long a probe waits for the server (when the node timeout is shorter): a probe runs in a
 thread of its own, so a server that answers late (a busy host) still counts as answering."""
+# Error replies after which an owed clean-up is sent again later (a LOADING server raises
+# redis-py's BusyLoadingError, a connection error: the whole batch stays owed).
+_TRANSIENT = (TryAgainError, ClusterDownError, OutOfMemoryError)
+
 LATENESS_RISE = 0.5
 LATENESS_FALL = 0.05
 """How far `Endpoint.lateness` moves toward each reply's delay: quickly up, slowly down."""
@@ -316,11 +325,13 @@ class Endpoint:
             for debt in batch:
                 try:
                     connection.read_response()
-                except (MovedError, AskError):
-                    pass  # the key lives elsewhere now; so did the commands that set it
                 except ResponseError as error:
-                    unpaid.append(debt)  # out of memory, loading...: the key may be there
-                    self.last_error = describe_failure(error, self.options.get("username"))
+                    # Out of memory, loading, busy: the key may still be there, later. Any other
+                    # refusal (MOVED, READONLY after a failover, a denied command) will not change
+                    # by sending it again: the key lives elsewhere, or the rounds see the fault.
+                    if isinstance(error, _TRANSIENT) or str(error).startswith("BUSY"):
+                        unpaid.append(debt)
+                        self.last_error = describe_failure(error, self.options.get("username"))
         except BaseException:
             owed.extend(batch)
             raise
