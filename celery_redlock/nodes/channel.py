@@ -113,7 +113,11 @@ class Channel:
         self._parser = ReplyParser()
         self._pending: collections.deque[Slot] = collections.deque()
         self._outbox: list[bytes] = []
-        self._writing = False
+        self._writing = False  # the current connection has a writer (a failure starts anew)
+        # Sockets that threads use outside the lock (the writer, the reader), how many each: a
+        # failed one is only shut down until the last of them is done, so that its descriptor
+        # cannot be reused by the next connection while a stale write or read is still on it.
+        self._users: dict[Any, int] = {}
         self._last_used = 0.0
         self._last_received = 0.0  # when bytes last arrived from the server
 
@@ -147,6 +151,7 @@ class Channel:
         `NO_REPLY`, and the server is backed off."""
         queued = False
         generation = -1
+        sock = None
         try:
             with self.lock:
                 now = time.monotonic()
@@ -192,11 +197,16 @@ class Channel:
                     self._outbox.append(payload)
                     payload = b"".join(self._outbox)
                     self._outbox.clear()
-                sock = self.socket
+                sock = self._use_locked()
             while True:
                 sock.sendall(payload)
                 with self.lock:
-                    if not self._outbox or generation != self.generation:
+                    if generation != self.generation:
+                        # The connection failed while this thread wrote: the writer role and
+                        # the outbox are the next connection's, whose own writer (if any)
+                        # holds them.
+                        return []
+                    if not self._outbox:
                         self._writing = False
                         return []
                     payload = b"".join(self._outbox)
@@ -214,6 +224,9 @@ class Channel:
             if not failing:
                 raise
             return failed
+        finally:
+            if sock is not None:
+                self._done_with(sock)
 
     def _connect_locked(self) -> None:
         sock = self.endpoint.open_socket()
@@ -262,8 +275,9 @@ class Channel:
         short fails the connection: bytes read and not parsed would shift every later reply."""
         with self.lock:
             sock, generation = self.socket, self.generation
-        if sock is None or sock.fileno() != descriptor:
-            return  # closed, or reopened on another descriptor, since the poll
+            if sock is None or sock.fileno() != descriptor:
+                return  # closed, or reopened on another descriptor, since the poll
+            self._use_locked()
         count = len(answered)
         try:
             try:
@@ -298,6 +312,8 @@ class Channel:
             if not failing:
                 raise
             return
+        finally:
+            self._done_with(sock)
         if any(not isinstance(slot.reply, ErrorReply) for slot in answered[count:]):
             self.endpoint.mark_answered(self._last_received - answered[count].sent_at)
 
@@ -355,10 +371,35 @@ class Channel:
             slot.done = True
         return slots
 
+    def _use_locked(self) -> Any:
+        """The current socket, counted as in use outside the lock until `_done_with`."""
+        sock = self.socket
+        self._users[sock] = self._users.get(sock, 0) + 1
+        return sock
+
+    def _done_with(self, sock: Any) -> None:
+        """This thread no longer uses ``sock``; the last user of a failed one closes it."""
+        with self.lock:
+            users = self._users.pop(sock) - 1
+            if users:
+                self._users[sock] = users
+            elif sock is not self.socket:
+                with contextlib.suppress(OSError):
+                    sock.close()
+
     def _close_locked(self) -> None:
-        if self.socket is not None:
+        sock = self.socket
+        if sock is not None:
             with contextlib.suppress(OSError):
-                self.socket.close()
+                if sock not in self._users:
+                    sock.close()
+                elif isinstance(sock, ssl.SSLSocket):
+                    # The descriptor's own shutdown: the TLS object stays for the thread on it.
+                    socket.socket.shutdown(sock, socket.SHUT_RDWR)
+                else:
+                    # A thread writes or reads it now: its descriptor stays taken (what it
+                    # does fails at once) until that thread is done with it (`_done_with`).
+                    sock.shutdown(socket.SHUT_RDWR)
         self.socket = None
         self.generation += 1
         self._pending.clear()

@@ -1,0 +1,263 @@
+"""A reply reaches only the caller whose command it answers, whatever fails when: a connection
+that fails while a writer is inside ``sendall`` (held there at a gate, deterministically), and
+many threads on shared connections that a proxy cuts at random. Real redis-server processes;
+only the socket (a gate around it) and the link (a proxy) are doubled.
+
+``REDLOCK_STRESS_SECONDS`` sets how long the randomized test runs (default 8)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from redlock_support import wait_until
+from reply_faults import CuttingProxy, GatedSocket, NoisySocket
+
+from celery_redlock import scripts
+from celery_redlock.nodes import NO_REPLY, NodeGroup, RoundResult, members_from_urls
+from celery_redlock.nodes import endpoint as endpoint_module
+from celery_redlock.nodes.channel import Channel
+from celery_redlock.replies import judge_copy
+from celery_redlock.settings import RedlockSettings
+from celery_redlock.testing import RedisNodes
+
+STRESS_SECONDS = float(os.environ.get("REDLOCK_STRESS_SECONDS", "8"))
+
+
+def read(group: NodeGroup, key: str) -> RoundResult:
+    """READ ``key`` on every member."""
+    return group.run(scripts.READ, [key], [], judge_copy, every=True)
+
+
+def value_read(result: RoundResult) -> Any:
+    """What the only member answered a READ: the stored value, or NO_REPLY."""
+    reply = result.replies[0]
+    return reply if reply is NO_REPLY else reply[0].decode()
+
+
+# -- a failure inside a writer's sendall --------------------------------------------------------
+
+
+class Callers:
+    """Threads that each READ a key of their own through one group, and what each got."""
+
+    def __init__(self, group: NodeGroup, channel: Channel) -> None:
+        self.group = group
+        self.results: dict[str, RoundResult] = {}
+        self.sent: dict[str, threading.Event] = {}
+        self.threads: list[threading.Thread] = []
+        send = channel.send
+
+        def send_and_tell(payload: bytes, slots: Any, late_after: float | None = None) -> Any:
+            try:
+                return send(payload, slots, late_after)
+            finally:
+                sent = self.sent.get(threading.current_thread().name)
+                if sent is not None:
+                    sent.set()
+
+        channel.send = send_and_tell  # type: ignore[method-assign]
+
+    def start(self, name: str) -> None:
+        """Start caller ``name``: it READs ``caller:<name>``."""
+        self.sent[name] = threading.Event()
+
+        def run() -> None:
+            self.results[name] = read(self.group, f"caller:{name}")
+
+        thread = threading.Thread(target=run, name=name, daemon=True)
+        self.threads.append(thread)
+        thread.start()
+
+    def join(self) -> None:
+        """Wait for every caller to finish."""
+        for thread in self.threads:
+            thread.join(10)
+            assert not thread.is_alive(), f"caller {thread.name} still waits"
+
+
+@pytest.fixture
+def group_on_one_node(one_node: RedisNodes) -> Iterator[NodeGroup]:
+    with one_node[0].client() as client:
+        client.mset({f"caller:{name}": f"value of {name}" for name in ("a", "b", "c", "warm")})
+    group = NodeGroup(members_from_urls(one_node.urls, 2.0), 2.0)
+    try:
+        yield group
+    finally:
+        group.close()
+
+
+def test_a_connection_failing_inside_a_write_leaves_every_reply_to_its_caller(
+    group_on_one_node: NodeGroup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A writes; its bytes are out, but its sendall has not returned when the connection fails.
+    # B opens the next connection and becomes its writer (held before its bytes go out). A's
+    # sendall returns. C comes: it must queue behind B, not write beside it — else C's command
+    # reaches the server first and its reply goes to the slot queued first.
+    group = group_on_one_node
+    assert value_read(read(group, "caller:warm")) == "value of warm"  # the connection is open
+    connections = group.connections()
+    endpoint = group.nodes[0].endpoint_for("caller:a")
+    assert endpoint is not None
+    channel = connections.channel(endpoint)
+    first = GatedSocket(channel.socket)
+    with channel.lock:
+        channel.socket = first
+    opened: list[GatedSocket] = []
+    open_socket = endpoint.open_socket
+
+    def open_gated_socket() -> Any:
+        gated = GatedSocket(open_socket())
+        gated.hold_next("before")
+        opened.append(gated)
+        return gated
+
+    monkeypatch.setattr(endpoint, "open_socket", open_gated_socket)
+    callers = Callers(group, channel)
+    try:
+        first.hold_next("after")
+        callers.start("a")
+        assert first.entered.wait(5), "A never wrote"
+        connections.reactor.deliver(channel.fail(channel.generation, "cut", back_off=False))
+        callers.start("b")
+        assert wait_until(lambda: opened and opened[0].entered.is_set(), timeout=5)
+        first.gate.set()
+        assert callers.sent["a"].wait(5), "A's sendall never returned"
+        callers.start("c")
+        assert callers.sent["c"].wait(5), "C's send never returned"
+    finally:
+        first.gate.set()
+        for gated in opened:
+            gated.gate.set()
+    callers.join()
+    got = {name: value_read(result) for name, result in callers.results.items()}
+    assert got["a"] in (NO_REPLY, "value of a")  # its connection failed under it
+    assert got == {"a": got["a"], "b": "value of b", "c": "value of c"}, [
+        (name, result.replies, result.failures) for name, result in callers.results.items()
+    ]
+    # Every caller got its own reply, on a connection that is in order afterwards.
+    assert value_read(read(group, "caller:warm")) == "value of warm"
+
+
+# -- many threads, connections cut at random ---------------------------------------------------
+
+
+class Tally:
+    """What the threads saw, reply by reply."""
+
+    def __init__(self) -> None:
+        self.guard = threading.Lock()
+        self.checked = 0
+        self.no_reply = 0
+        self.wrong: list[str] = []
+
+    def add(self, checked: int, no_reply: int, wrong: list[str]) -> None:
+        with self.guard:
+            self.checked += checked
+            self.no_reply += no_reply
+            self.wrong += wrong
+
+
+MISDELIVERED = ("cannot give", "a reply to no command")
+"""Failures that only a reply handed to the wrong slot explains: every command on these
+connections is a READ (whose reply is a copy) or a script load (whose reply is not)."""
+
+
+def read_own_key_until(
+    group: NodeGroup, number: int, deadline: float, tally: Tally
+) -> Callable[[], None]:
+    """Thread ``number``'s loop: READ its own key in quorum rounds (as lock rounds decide)
+    until ``deadline``, checking every reply that came."""
+    key, value = f"stress:{number}", f"value of thread {number}".encode()
+
+    def run() -> None:
+        checked = no_reply = 0
+        wrong: list[str] = []
+        try:
+            while time.monotonic() < deadline:
+                result = group.run(scripts.READ, [key], [], judge_copy)
+                if result.answered == 0:
+                    time.sleep(0.005)  # every node is backed off: no spinning past them
+                for index, reply in enumerate(result.replies):
+                    why = result.failures[index] or ""
+                    if reply is NO_REPLY:
+                        no_reply += 1
+                        if any(mark in why for mark in MISDELIVERED):
+                            wrong.append(f"{key} on node {index}: {why}")
+                    else:
+                        checked += 1
+                        if reply != [value, -1]:
+                            wrong.append(f"{key} on node {index} got {reply!r}")
+        except BaseException as error:
+            wrong.append(f"thread {number} raised {error!r}")
+        tally.add(checked, no_reply, wrong)
+
+    return run
+
+
+def test_threads_on_connections_cut_at_random_get_only_their_own_replies(
+    three_nodes: RedisNodes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Writers race with failures only when a cut connection is replaced at once (after an
+    # interruption, or a server that answers its probe): the back-off of a millisecond makes
+    # that the rule, not a quarter of a second later. Pauses around every write stand for the
+    # descheduled threads of a busy host.
+    threads = 60
+    seed = random.randrange(2**32)
+    monkeypatch.setattr(endpoint_module, "FIRST_BACKOFF_SECONDS", 0.001)
+    monkeypatch.setattr(endpoint_module, "MAX_BACKOFF_SECONDS", 0.001)
+    values = {f"stress:{number}": f"value of thread {number}" for number in range(threads)}
+    for server in three_nodes:
+        with server.client(socket_timeout=5) as client:
+            client.mset(values)
+    tally = Tally()
+    with contextlib.ExitStack() as stack:
+        proxies = [
+            stack.enter_context(
+                CuttingProxy(("127.0.0.1", server.port), cut_chance=0.02, seed=seed + index)
+            )
+            for index, server in enumerate(three_nodes)
+        ]
+        node_timeout = RedlockSettings.node_timeout
+        group = NodeGroup(
+            members_from_urls([proxy.url for proxy in proxies], node_timeout), node_timeout
+        )
+        stack.callback(group.close)
+        for node in group.nodes:
+            endpoint = node.endpoint_for("stress")
+            assert endpoint is not None
+            monkeypatch.setattr(endpoint, "open_socket", noisy(endpoint.open_socket))
+        deadline = time.monotonic() + STRESS_SECONDS
+        workers = [
+            threading.Thread(target=read_own_key_until(group, number, deadline, tally))
+            for number in range(threads)
+        ]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join(STRESS_SECONDS + 30)
+        assert not any(worker.is_alive() for worker in workers)
+        cuts = sum(proxy.cuts for proxy in proxies)
+    print(
+        f"\nseed {seed}, {STRESS_SECONDS:g} s, {threads} threads: {tally.checked} replies "
+        f"checked, {tally.no_reply} missing, {cuts} connections cut, "
+        f"{len(tally.wrong)} reached the wrong caller"
+    )
+    assert tally.wrong == [], f"seed {seed}: " + "\n".join(tally.wrong[:20])
+    assert cuts > 0
+    assert tally.checked > 100 * STRESS_SECONDS
+
+
+def noisy(open_socket: Callable[[], Any]) -> Callable[[], Any]:
+    """``open_socket``, its sockets pausing around every write (`NoisySocket`)."""
+
+    def open_noisy_socket() -> Any:
+        return NoisySocket(open_socket(), before=0.002, after=0.005)
+
+    return open_noisy_socket
