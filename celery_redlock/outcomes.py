@@ -128,6 +128,16 @@ class Covered:
 Outcome = Acquired | Held | Contended | Unavailable | Covered
 
 
+def copies_agree(copies: Sequence[tuple[str, int]], quorum: int) -> bool:
+    """True when at least ``quorum`` of the per-node ``(stored value, pttl in ms)`` copies carry
+    one same value, the empty one (no lock there) included: a majority names the holder, or
+    names none."""
+    counts: dict[str, int] = {}
+    for value, _ in copies:
+        counts[value] = counts.get(value, 0) + 1
+    return any(count >= quorum for count in counts.values())
+
+
 def majority_holder(copies: Sequence[tuple[str, int]], quorum: int) -> Held | None:
     """The holder when at least ``quorum`` of the per-node ``(stored value, pttl in ms)`` copies
     carry one same value (a pttl below 0 means no expiry), else None.

@@ -35,18 +35,18 @@ from .outcomes import (
     Outcome,
     Record,
     Unavailable,
+    copies_agree,
     majority_holder,
     new_token,
 )
 from .owner import lock_value
 from .replies import (
     acquire_judge,
-    is_copy,
+    copies_in,
     is_integer,
     judge_copy,
     judge_one,
     judge_zero_or_one,
-    text_of,
 )
 from .settings import RedlockSettings, check_seconds, even_node_warning, split_urls
 
@@ -309,9 +309,7 @@ class Redlock:
             return Acquired(lock)
         if result.answered < self.quorum:
             return Unavailable(self._unavailable(key, result))
-        refusals = [
-            (text_of(reply[0]), int(reply[1])) for reply in result.replies if is_copy(reply)
-        ]
+        refusals = copies_in(result)
         held = majority_holder(refusals, self.quorum)
         if held is not None:
             return held
@@ -354,7 +352,13 @@ class Redlock:
         result = self._group.run(scripts.READ, (key,), (), judge_copy)
         if result.answered < self.quorum:
             raise self._unavailable(key, result)
-        copies = [(text_of(reply[0]), int(reply[1])) for reply in result.replies if is_copy(reply)]
+        copies = copies_in(result)
+        if not copies_agree(copies, self.quorum):
+            # The first copies to arrive disagree (a node that lost the lock, one that kept a
+            # leftover): only every node's copy can tell whether a majority agrees.
+            everyone = self._group.run(scripts.READ, (key,), (), judge_copy, every=True)
+            if everyone.answered >= self.quorum:
+                copies = copies_in(everyone)
         return majority_holder(copies, self.quorum)
 
     def acquire(

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import scripts
-from .nodes import Judge
+from .nodes import Judge, RoundResult
 
 
 def is_integer(reply: Any) -> bool:
@@ -37,6 +37,11 @@ def is_copy(reply: Any) -> bool:
         and is_integer(reply[1])
         and reply[1] >= -2
     )
+
+
+def copies_in(result: RoundResult) -> list[tuple[str, int]]:
+    """``(stored value, pttl in ms)`` of each member whose reply in ``result`` is a copy."""
+    return [(text_of(reply[0]), int(reply[1])) for reply in result.replies if is_copy(reply)]
 
 
 def judge_copy(reply: Any) -> bool | None:

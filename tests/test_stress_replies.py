@@ -12,6 +12,7 @@ import os
 import random
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -19,10 +20,11 @@ import pytest
 from redlock_support import wait_until
 from reply_faults import CuttingProxy, GatedSocket, NoisySocket
 
-from celery_redlock import scripts
+from celery_redlock import Redlock, keyspace, scripts
 from celery_redlock.nodes import NO_REPLY, NodeGroup, RoundResult, members_from_urls
 from celery_redlock.nodes import endpoint as endpoint_module
 from celery_redlock.nodes.channel import Channel
+from celery_redlock.outcomes import Acquired, new_token
 from celery_redlock.replies import judge_copy
 from celery_redlock.settings import RedlockSettings
 from celery_redlock.testing import RedisNodes
@@ -261,3 +263,38 @@ def noisy(open_socket: Callable[[], Any]) -> Callable[[], Any]:
         return NoisySocket(open_socket(), before=0.002, after=0.005)
 
     return open_noisy_socket
+
+
+# -- holder_of and reservation_of decide on copies ---------------------------------------------
+
+CALLS = 200
+
+
+@pytest.mark.parametrize("kind", ["lock", "reservation"])
+def test_a_lock_on_a_majority_is_named_every_time_and_one_on_a_minority_never(
+    three_nodes: RedisNodes, kind: str
+) -> None:
+    # The first two copies to arrive may be the holder's and an empty one (the node that lost
+    # the lock): that is no majority either way, and the third node decides.
+    redlock = Redlock(three_nodes.urls, node_timeout=0.5)
+    try:
+        for lost in range(len(three_nodes)):
+            resource = f"majority:{kind}:{lost}"
+            if kind == "lock":
+                outcome = redlock.attempt(resource, 30, "worker-A")
+                key, ask = redlock.key_for(resource), redlock.holder_of
+            else:
+                outcome = redlock.reserve(resource, 30, "worker-A", token=new_token())
+                key = keyspace.reservation_key(redlock.key_for(resource))
+                ask = redlock.reservation_of
+            assert isinstance(outcome, Acquired), outcome
+            with three_nodes[lost].client() as client:
+                assert client.delete(key) == 1
+            holders = Counter(getattr(ask(resource), "holder", None) for _ in range(CALLS))
+            assert holders == {"worker-A": CALLS}, f"lost on node {lost}: {holders}"
+            with three_nodes[(lost + 1) % len(three_nodes)].client() as client:
+                assert client.delete(key) == 1  # left on one node only: a leftover
+            holders = Counter(getattr(ask(resource), "holder", None) for _ in range(CALLS))
+            assert holders == {None: CALLS}, f"left on one node: {holders}"
+    finally:
+        redlock.close()
