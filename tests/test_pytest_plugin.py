@@ -11,8 +11,6 @@ worker run ``@singleton_task`` tasks. Importing the plugin starts nothing.
 
 from __future__ import annotations
 
-import importlib.metadata
-import os
 import re
 import subprocess
 import sys
@@ -159,16 +157,6 @@ def guide_files() -> dict[str, str]:
     return files
 
 
-def plugin_arguments() -> list[str]:
-    """``-p celery_redlock.pytest_plugin`` unless pytest loads it by itself (its ``pytest11``
-    entry point is installed and plugin autoloading is on): loading it twice is an error."""
-    if not os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD"):
-        entry_points = importlib.metadata.entry_points(group="pytest11")
-        if any(entry_point.value == PLUGIN for entry_point in entry_points):
-            return []
-    return ["-p", PLUGIN]
-
-
 @pytest.mark.timeout(INNER_TIMEOUT + 30)
 def test_the_documented_example_and_the_fixture_checks_pass(pytester: pytest.Pytester) -> None:
     for name, text in guide_files().items():
@@ -176,7 +164,8 @@ def test_the_documented_example_and_the_fixture_checks_pass(pytester: pytest.Pyt
     pytester.makepyfile(
         checks_tasks=textwrap.dedent(CHECKS_TASKS), test_fixture_checks=FIXTURE_CHECKS
     )
-    result = pytester.runpytest_subprocess(*plugin_arguments(), "-v", timeout=INNER_TIMEOUT)
+    # docs/testing.md's pytest.ini loads the plugin (-p in addopts).
+    result = pytester.runpytest_subprocess("-v", timeout=INNER_TIMEOUT)
     result.assert_outcomes(passed=5)
     result.stdout.fnmatch_lines(
         [
@@ -192,12 +181,21 @@ def test_without_an_app_setting_a_blank_app_runs_shared_singleton_tasks(
 ) -> None:
     pytester.makeini("[pytest]\n")
     pytester.makepyfile(test_blank_app=BLANK_APP_CHECKS)
-    result = pytester.runpytest_subprocess(*plugin_arguments(), timeout=INNER_TIMEOUT)
+    result = pytester.runpytest_subprocess("-p", PLUGIN, timeout=INNER_TIMEOUT)
     result.assert_outcomes(passed=2)
 
 
+def test_the_plugin_loads_only_where_it_is_asked_for(pytester: pytest.Pytester) -> None:
+    """Installing celery-redlock adds nothing to other projects' pytest sessions."""
+    pytester.makeini("[pytest]\n")
+    pytester.makepyfile(test_unasked="def test_worker(redlock_worker):\n    pass\n")
+    result = pytester.runpytest_subprocess(timeout=INNER_TIMEOUT)
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(["*fixture 'redlock_worker' not found*"])
+
+
 def test_importing_the_plugin_starts_nothing() -> None:
-    """pytest imports the plugin in every session: it must not start or load the harness."""
+    """Loading the plugin must not start or load the harness."""
     probe = textwrap.dedent(
         f"""
         import os, sys
