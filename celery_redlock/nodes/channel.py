@@ -151,7 +151,7 @@ class Channel:
         `NO_REPLY`, and the server is backed off."""
         queued = False
         generation = -1
-        sock = None
+        leased: Any = None
         try:
             with self.lock:
                 now = time.monotonic()
@@ -197,7 +197,9 @@ class Channel:
                     self._outbox.append(payload)
                     payload = b"".join(self._outbox)
                     self._outbox.clear()
-                sock = self._use_locked()
+                sock = self.socket
+                self._users[sock] = self._users.get(sock, 0) + 1
+                leased = sock
             while True:
                 sock.sendall(payload)
                 with self.lock:
@@ -225,8 +227,15 @@ class Channel:
                 raise
             return failed
         finally:
-            if sock is not None:
-                self._done_with(sock)
+            if leased is not None:
+                with self.lock:  # inline: an interruption on a call's entry would skip it
+                    users = self._users[leased] - 1
+                    if users:
+                        self._users[leased] = users
+                    else:
+                        del self._users[leased]
+                        if leased is not self.socket:
+                            leased.close()  # failed while this thread wrote to it
 
     def _connect_locked(self) -> None:
         sock = self.endpoint.open_socket()
@@ -273,11 +282,27 @@ class Channel:
         ``answered`` the slots it answered, or that failed with the connection — as it goes, so
         that the caller has them even if the read is cut short. Anything that cuts the read
         short fails the connection: bytes read and not parsed would shift every later reply."""
-        with self.lock:
-            sock, generation = self.socket, self.generation
-            if sock is None or sock.fileno() != descriptor:
-                return  # closed, or reopened on another descriptor, since the poll
-            self._use_locked()
+        leased: Any = None
+        try:
+            with self.lock:
+                sock, generation = self.socket, self.generation
+                if sock is None or sock.fileno() != descriptor:
+                    return  # closed, or reopened on another descriptor, since the poll
+                self._users[sock] = self._users.get(sock, 0) + 1
+                leased = sock
+            self._read_leased(sock, generation, answered)
+        finally:
+            if leased is not None:
+                with self.lock:  # inline: an interruption on a call's entry would skip it
+                    users = self._users[leased] - 1
+                    if users:
+                        self._users[leased] = users
+                    else:
+                        del self._users[leased]
+                        if leased is not self.socket:
+                            leased.close()  # failed while this thread read it
+
+    def _read_leased(self, sock: Any, generation: int, answered: list[Slot]) -> None:
         count = len(answered)
         try:
             try:
@@ -312,8 +337,6 @@ class Channel:
             if not failing:
                 raise
             return
-        finally:
-            self._done_with(sock)
         if any(not isinstance(slot.reply, ErrorReply) for slot in answered[count:]):
             self.endpoint.mark_answered(self._last_received - answered[count].sent_at)
 
@@ -371,41 +394,27 @@ class Channel:
             slot.done = True
         return slots
 
-    def _use_locked(self) -> Any:
-        """The current socket, counted as in use outside the lock until `_done_with`."""
-        sock = self.socket
-        self._users[sock] = self._users.get(sock, 0) + 1
-        return sock
-
-    def _done_with(self, sock: Any) -> None:
-        """This thread no longer uses ``sock``; the last user of a failed one closes it."""
-        with self.lock:
-            users = self._users.pop(sock) - 1
-            if users:
-                self._users[sock] = users
-            elif sock is not self.socket:
-                with contextlib.suppress(OSError):
-                    sock.close()
-
     def _close_locked(self) -> None:
         sock = self.socket
-        if sock is not None:
+        in_use = sock in self._users
+        if sock is not None and not in_use:
             with contextlib.suppress(OSError):
-                if sock not in self._users:
-                    sock.close()
-                elif isinstance(sock, ssl.SSLSocket):
-                    # The descriptor's own shutdown: the TLS object stays for the thread on it.
-                    socket.socket.shutdown(sock, socket.SHUT_RDWR)
-                else:
-                    # A thread writes or reads it now: its descriptor stays taken (what it
-                    # does fails at once) until that thread is done with it (`_done_with`).
-                    sock.shutdown(socket.SHUT_RDWR)
+                sock.close()
         self.socket = None
         self.generation += 1
         self._pending.clear()
         self._outbox.clear()
         self._writing = False
         self._parser = ReplyParser()
+        if in_use:
+            # A thread writes or reads it now: it is closed once that thread is done with it,
+            # so that its descriptor is not reused meanwhile. Shut down, what that thread does
+            # fails at once. Last: the channel is consistent even if this is cut short.
+            with contextlib.suppress(OSError):
+                if isinstance(sock, ssl.SSLSocket):
+                    socket.socket.shutdown(sock, socket.SHUT_RDWR)  # the TLS object stays
+                else:
+                    sock.shutdown(socket.SHUT_RDWR)
 
     def _fail_slots(self, slots: Sequence[Slot], error: object) -> list[Slot]:
         self.endpoint.mark_down(time.monotonic(), error)
