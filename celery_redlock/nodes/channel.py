@@ -234,8 +234,9 @@ class Channel:
                         self._users[leased] = users
                     else:
                         del self._users[leased]
-                        if leased is not self.socket:
-                            leased.close()  # failed while this thread wrote to it
+                        if leased is not self.socket:  # failed while this thread wrote to it
+                            with contextlib.suppress(OSError):
+                                leased.close()
 
     def _connect_locked(self) -> None:
         sock = self.endpoint.open_socket()
@@ -299,8 +300,9 @@ class Channel:
                         self._users[leased] = users
                     else:
                         del self._users[leased]
-                        if leased is not self.socket:
-                            leased.close()  # failed while this thread read it
+                        if leased is not self.socket:  # failed while this thread read it
+                            with contextlib.suppress(OSError):
+                                leased.close()
 
     def _read_leased(self, sock: Any, generation: int, answered: list[Slot]) -> None:
         count = len(answered)
