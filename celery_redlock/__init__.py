@@ -14,6 +14,7 @@ from .errors import (
     QuorumUnavailable,
     RedlockError,
 )
+from .fencing import StaleFence
 from .keys import LockKeyError
 from .outcomes import Lock
 from .redlock import Redlock
@@ -37,5 +38,6 @@ __all__ = [
     "RedlockError",
     "RedlockSettings",
     "SingletonTask",
+    "StaleFence",
     "singleton_task",
 ]
