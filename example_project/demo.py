@@ -30,6 +30,8 @@ from typing import Any
 
 import redis
 
+from celery_redlock import StaleFence
+from celery_redlock.fencing.redis import FENCE_SUFFIX, fenced_set, stored_token
 from celery_redlock.testing import RedisNodes, RedisServer, find_redis_server
 
 from . import recording, timeline, traffic
@@ -132,6 +134,7 @@ class Demo:
         self._drawn_lines = 0
         self._last_line = 0.0
         self.servers_text: list[str] = []
+        self.fencing_text = "fencing:    not checked (the demo stopped early)"
         self.processes_started = 0
 
     # -- the run -------------------------------------------------------------------------
@@ -144,6 +147,7 @@ class Demo:
         self._start_fleet(app)
         self._flood(app)
         self._drain()
+        self._late_write()
         self._say(f"stopping {len(self.workers)} workers (warm shutdown) ...")
         assert self.fleet is not None
         self.fleet.stop(self.workers, grace=20.0)
@@ -325,6 +329,30 @@ class Demo:
             time.sleep(0.5)
         self._finish_progress()
 
+    def _late_write(self) -> None:
+        """A late write to a rebuilt report, as from a run paused past its lock's validity
+        (the token of the rebuild before the last): the report's fence refuses it."""
+        from .tasks import REPORT_KEYS, report_store
+
+        store = report_store()
+        found = store.scan_iter(f"{REPORT_KEYS}*")
+        keys = sorted(key.decode() for key in found if not key.endswith(FENCE_SUFFIX.encode()))
+        if not keys:
+            self.fencing_text = "fencing:    no report was rebuilt"
+            return
+        token = stored_token(store, keys[0])
+        try:
+            fenced_set(store, keys[0], "written late by a paused run", token - 1)
+            self.fencing_text = f"fencing:    A LATE WRITE TO {keys[0]} WAS ACCEPTED"
+        except StaleFence:
+            self.fencing_text = (
+                f"fencing:    {len(keys)} reports written under their runs' fencing tokens; a "
+                f"paused run's late write\n            to {keys[0]} (token {token - 1}, "
+                f"stored {token}) refused: StaleFence"
+            )
+        finally:
+            store.delete(*keys, *(key + FENCE_SUFFIX for key in keys))
+
     def _check_fleet(self) -> None:
         for member in self.workers:
             if member.exited():
@@ -417,6 +445,7 @@ class Demo:
         waited = f"; woken a median {median:.1f} s later by the release" if median else ""
         print(f"waited:     {waits} duplicates blocked on the lock{waited}, then ran")
         self._print_coalescing()
+        print(self.fencing_text)
         pending = tally.pending()
         if pending:
             print(f"unfinished: {len(pending)} submitted tasks never finished")

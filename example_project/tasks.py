@@ -39,9 +39,11 @@ import os
 import random
 import time
 
+import redis
 from celery import Celery
 
 from celery_redlock import singleton_task
+from celery_redlock.fencing.redis import fenced_set
 
 from . import recording
 
@@ -83,6 +85,19 @@ if os.environ.get("DEMO_REDLOCK_URLS"):
     ]
 
 
+REPORT_KEYS = "redlock_demo:report:"
+"""Where ``rebuild_report`` stores reports: the Redis of the demo's events (data, no lock node)."""
+_reports: redis.Redis | None = None
+
+
+def report_store() -> redis.Redis:
+    """The Redis client of the reports, made on first use in each process."""
+    global _reports
+    if _reports is None:
+        _reports = redis.Redis.from_url(recording.events_url(app), socket_timeout=5)
+    return _reports
+
+
 def _work(low: float, high: float, steps: int = 4) -> None:
     """Stand-in for real work: ``steps`` chunks lasting ``low``..``high`` seconds in all."""
     total = random.uniform(low, high)
@@ -95,6 +110,9 @@ def rebuild_report(self, account_id: int, day: str, requested_by: str | None = N
     """Recompute one account's daily report; whoever asked, one rebuild at a time per report."""
     with recording.recorded_run(self):
         _work(0.8, 2.2)
+        # Refused (StaleFence) if this run was paused past its lock and a later run wrote.
+        report = f"rebuilt by {self.request.hostname}"
+        fenced_set(report_store(), f"{REPORT_KEYS}{account_id}:{day}", report, self.lock)
     return f"report {account_id}/{day} rebuilt"
 
 

@@ -40,6 +40,9 @@ def test_demo_runs_without_overlaps_and_draws_the_timeline(tmp_path: Path) -> No
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     lines = result.stdout.splitlines()
     assert "overlapping runs (two runs of one key at the same time): 0" in lines
+    fencing = [line for line in lines if line.startswith("fencing:")]
+    assert fencing and "reports written" in fencing[0], result.stdout[-3000:]
+    assert any(line.endswith("refused: StaleFence") for line in lines)
     total = [line.split() for line in lines if line.startswith("total ")]
     submitted, ran, skipped, _retried, _waited, coalesced = (int(field) for field in total[-1][1:7])
     assert submitted > ran > 0 and skipped > 0  # duplicates were submitted, and suppressed
