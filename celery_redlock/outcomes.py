@@ -51,8 +51,8 @@ class Lock:
         return lock_value(self.token, self.owner)
 
     def remaining(self) -> float:
-        """Seconds of guaranteed validity left now (negative once it ran out)."""
-        return self.valid_until - time.monotonic()
+        """Seconds of guaranteed validity left now: 0 once it ran out or was released."""
+        return max(0.0, self.valid_until - time.monotonic())
 
 
 @dataclass(frozen=True, slots=True)
