@@ -190,6 +190,8 @@ def test_sql_refusal_rolls_back_the_transaction(
         update = {"value": table.c.value + "+eleven"}
         assert fenced_update(connection, table, table.c.name == "acct", update, 11) == 1
     assert store.read("acct")[:2] == ("ten+eleven", 11)
+    with pytest.raises(ConfigurationError, match="key columns"), store.engine.begin() as connection:
+        fenced_upsert(connection, table, {"value": "no key"}, 12)
     store.close()
 
 

@@ -55,6 +55,11 @@ def fenced_upsert(
     target = table_of(table)
     token = fencing_token(fence)
     key_names = list(key) or [column.name for column in target.primary_key.columns]
+    if missing := [name for name in key_names if name not in values]:
+        raise ConfigurationError(
+            f"fenced_upsert into {target.name} needs the key columns in values: {missing} "
+            "missing (the row's key names the resource; pass key=... to use other columns)"
+        )
     insert = insert_for(connection)(target).values({**values, fence_name: token})
     statement = insert.on_conflict_do_update(
         index_elements=key_names,
