@@ -286,6 +286,11 @@ def django_checks(database: str) -> dict[str, Any]:
         accounts.fenced_update_or_create(6, defaults={"value": "stale"}, name="a")
     except StaleFence as error:
         found["stale_upsert"] = [error.token, error.stored]
+    try:
+        # No row has this value, and creating one breaks the primary key of row "a".
+        accounts.fenced_update_or_create(30, defaults={"name": "a"}, value="no such value")
+    except Exception as error:
+        found["other_constraint"] = type(error).__name__
     found["concurrent"] = concurrent_writers(accounts)
     found["final"] = list(accounts.filter(name="a").values_list("value", "fence"))
     return found

@@ -250,6 +250,7 @@ def test_django_fenced_writes_in_transactions(django_database: str) -> None:
     assert found["side_row_rolled_back"] is True
     assert found["fence_rolled_back_with_block"] == [["six", 6]]
     assert found["stale_upsert"] == [6, 6]
+    assert found["other_constraint"] == "IntegrityError"  # not mistaken for a race
     # The second writer waited for the first's commit, then compared with its token.
     assert found["concurrent"] == ["11 written", "11 commits", "10 refused"]
     assert found["final"] == [["eleven", 11]]

@@ -62,8 +62,10 @@ class FencedQuerySet(models.QuerySet):  # type: ignore[misc]
             with transaction.atomic(using=self.db):
                 self.create(**lookup, **values, **{self.fence_name(): token})
         except IntegrityError:
-            # Created meanwhile by another writer: compare with its fence.
-            self.filter(**lookup).fenced_update(token, **values)
+            # Created meanwhile by another writer: compare with its fence. No such row: the
+            # insert broke another constraint, which is the caller's to see.
+            if not self.filter(**lookup).fenced_update(token, **values):
+                raise
             return False
         return True
 
