@@ -135,5 +135,13 @@ def refuse(
     not smaller than ``token``); a missing row is no refusal."""
     stored = connection.execute(select(func.max(table.c[fence_name])).where(*where)).scalar()
     if stored is not None and stored >= token:
-        resource = f"{table.name} where {' and '.join(str(clause) for clause in where)}"
-        raise StaleFence(resource, token, int(stored))
+        clauses = " and ".join(readable(clause) for clause in where)
+        raise StaleFence(f"{table.name} where {clauses}", token, int(stored))
+
+
+def readable(clause: ColumnElement[bool]) -> str:
+    """The clause with its values in it where they can be written as SQL literals."""
+    try:
+        return str(clause.compile(compile_kwargs={"literal_binds": True}))
+    except Exception:  # a value without a literal form: its parameter's name will do
+        return str(clause)
