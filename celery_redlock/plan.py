@@ -19,7 +19,23 @@ from .settings import (
     check_boolean,
     check_policy,
     check_seconds,
+    closest_name,
 )
+
+LOCK_OPTIONS = (
+    "lock_ttl",
+    "lock_auto_extend",
+    "lock_args",
+    "lock_key",
+    "on_duplicate",
+    "on_unavailable",
+    "lock_wait",
+    "lock_hold",
+    "lock_on_enqueue",
+)
+MISSPELLING_CUTOFF = 0.8
+"""How close (difflib's ratio) a new name must be to a lock option to be refused as its typo:
+``lock_tll`` (0.88) and ``on_dupliacte`` (0.92) are; a task's own ``lock`` (0.67) is not."""
 
 PLAN_ATTRIBUTE = "_celery_redlock_plan"
 """Where a task instance keeps its `TaskPlan` (in its ``__dict__``, computed on first use)."""
@@ -103,6 +119,7 @@ def check_class_options(task_class: type) -> None:
     valid (called when a `SingletonTask` subclass is defined)."""
     options: Any = task_class
     name = getattr(task_class, "name", None) or task_class.__name__
+    check_option_names(task_class, name)
     if options.lock_ttl is not None:
         check_seconds(f"lock_ttl of task {name!r}", options.lock_ttl)
     if options.lock_wait is not None:
@@ -137,3 +154,20 @@ def check_class_options(task_class: type) -> None:
         )
     signature = run_signature(task_class) if "run" in task_class.__dict__ else None
     check_key_options(signature, lock_args, options.lock_key, name)
+
+
+def check_option_names(task_class: type, name: str) -> None:
+    """Raise `ConfigurationError` for a name that ``task_class`` adds to its bases (a keyword of
+    ``@singleton_task(...)`` or ``app.task(base=SingletonTask, ...)``, or a class attribute) when
+    it is close to a lock option: a misspelled option would silently leave the default in force.
+    Celery's task options and every other name pass."""
+    inherited = {attribute for base in task_class.__mro__[1:] for attribute in dir(base)}
+    for attribute in task_class.__dict__:
+        if attribute in inherited or attribute.startswith("__"):
+            continue
+        match = closest_name(attribute, LOCK_OPTIONS, MISSPELLING_CUTOFF)
+        if match is not None:
+            raise ConfigurationError(
+                f"task {name!r} got {attribute!r}, which is no lock option (did you mean "
+                f"{match!r}?); a misspelled option would leave the default in force"
+            )

@@ -3,14 +3,17 @@
 Settings live in ``app.conf`` in lower case (``redlock_urls``); under Django's ``CELERY``
 namespace they are spelled ``CELERY_REDLOCK_URLS`` and so on. Every value is checked here, once:
 a wrong one raises `ConfigurationError` naming the setting and the fix, and a worker with a wrong
-setting refuses to start.
+setting refuses to start. A ``redlock_*`` name that is no setting (``redlock_url``) is logged as
+a warning naming the closest known one, or refused with ``redlock_strict_settings``.
 """
 
 from __future__ import annotations
 
+import difflib
+import logging
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 from urllib.parse import parse_qs, parse_qsl, urlencode, urlsplit
@@ -24,6 +27,9 @@ CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
 SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
 SENTINEL_OPTIONS = ("sentinel_username", "sentinel_password")
 _UNSET = object()
+SETTING_PREFIX = "redlock_"
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, repr=False)
@@ -52,6 +58,7 @@ class RedlockSettings:
     beat_lease_name: str = "celery-beat-leader"  # redlock_beat_lease_name
     reap_interval: float | None = None  # redlock_reap_interval; None: workers do not reap
     reap_grace: float = 30.0  # redlock_reap_grace; 0: silence is never taken as proof
+    strict_settings: bool = False  # redlock_strict_settings: unknown redlock_* names are errors
 
     def __post_init__(self) -> None:
         if isinstance(self.urls, str) or not isinstance(self.urls, (list, tuple)):
@@ -69,6 +76,7 @@ class RedlockSettings:
             check_url(url)
         check_seconds("redlock_ttl", self.ttl)
         check_boolean("redlock_auto_extend", self.auto_extend)
+        check_boolean("redlock_strict_settings", self.strict_settings)
         check_policy("redlock_on_duplicate", self.on_duplicate, DUPLICATE_POLICIES)
         check_policy("redlock_on_unavailable", self.on_unavailable, UNAVAILABLE_POLICIES)
         if self.unavailable_timeout is not None:
@@ -153,15 +161,56 @@ class RedlockSettings:
 
     @classmethod
     def from_conf(cls, conf: Any) -> RedlockSettings:
-        """Read and validate the settings from a Celery ``app.conf``."""
+        """Read and validate the settings from a Celery ``app.conf``; log a warning per unknown
+        ``redlock_*`` name (a `ConfigurationError` with ``redlock_strict_settings``)."""
         values: dict[str, Any] = {}
         for field in fields(cls):
-            value = conf.get(f"redlock_{field.name}", _UNSET)
+            value = conf.get(f"{SETTING_PREFIX}{field.name}", _UNSET)
             # None means "not set", except for the one setting where it means "for ever".
             if value is not _UNSET and (value is not None or field.name == "unavailable_timeout"):
                 values[field.name] = value
         values["urls"] = _lock_urls(values.get("urls"), conf.get("broker_url"))
-        return cls(**values)
+        settings = cls(**values)
+        unknown = unknown_setting_messages(conf.keys(), getattr(conf, "prefix", None) or "")
+        if unknown and settings.strict_settings:
+            raise ConfigurationError(
+                "; ".join(unknown) + " (redlock_strict_settings is on: fix or remove the name)"
+            )
+        for message in unknown:
+            logger.warning("%s; it is ignored", message)
+        return settings
+
+
+SETTING_NAMES = tuple(f"{SETTING_PREFIX}{field.name}" for field in fields(RedlockSettings))
+"""Every setting celery_redlock reads, as spelled in ``app.conf``."""
+
+
+def closest_name(name: str, known: Iterable[str], cutoff: float = 0.6) -> str | None:
+    """The name of ``known`` closest to ``name`` (difflib's ratio of at least ``cutoff``)."""
+    matches = difflib.get_close_matches(name, list(known), n=1, cutoff=cutoff)
+    return matches[0] if matches else None
+
+
+def unknown_setting_messages(names: Iterable[str], namespace: str = "") -> list[str]:
+    """What to say about each of ``names`` (the keys of an ``app.conf``) that looks like a
+    celery_redlock setting but is none, each naming the closest known setting as written there.
+    ``namespace`` is Celery's (``CELERY_`` for Django's ``CELERY_REDLOCK_URLS``)."""
+    messages = []
+    for name in sorted(names):
+        namespaced = bool(namespace) and name.upper().startswith(namespace.upper())
+        setting = (name[len(namespace) :] if namespaced else name).lower()
+        if not setting.startswith(SETTING_PREFIX) or (
+            setting in SETTING_NAMES and (namespaced or name == setting)
+        ):
+            continue
+        match = closest_name(setting, SETTING_NAMES)
+        if match is None:
+            hint = "README's Settings lists the known ones"
+        else:
+            upper = bool(namespace) and not name.islower()
+            hint = f"did you mean {namespace + match.upper() if upper else match}?"
+        messages.append(f"celery_redlock knows no setting {name} ({hint})")
+    return messages
 
 
 @dataclass(frozen=True)

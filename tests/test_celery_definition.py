@@ -31,6 +31,7 @@ from celery_redlock import (
     singleton_task,
 )
 from celery_redlock.runtime import AppRuntime
+from celery_redlock.settings import unknown_setting_messages
 from celery_redlock.testing import RedisNodes, RedisServer
 
 pytest_plugins = ["celery_apps.fixtures"]
@@ -249,6 +250,62 @@ def test_bad_options_fail_when_a_lazy_app_finalizes(options: dict[str, Any], nam
         app.finalize()
 
 
+MISSPELLED_OPTIONS = [
+    pytest.param(
+        {"on_dupliacte": "retry"}, "'on_dupliacte'.*did you mean 'on_duplicate'", id="dup"
+    ),
+    pytest.param({"lock_tll": 5}, "'lock_tll'.*did you mean 'lock_ttl'", id="ttl"),
+    pytest.param({"lock_arg": ("account_id",)}, "did you mean 'lock_args'", id="args"),
+    pytest.param({"unavailable": "raise"}, "did you mean 'on_unavailable'", id="unavailable"),
+]
+
+
+@pytest.mark.parametrize(("options", "named"), MISSPELLED_OPTIONS)
+def test_misspelled_lock_options_are_refused_with_the_closest_name(
+    options: dict[str, Any], named: str
+) -> None:
+    app = Celery("misspelled", broker="redis://127.0.0.1:1/0", set_as_current=False)
+    app.finalize()
+    with pytest.raises(ConfigurationError, match=named):
+        singleton_task(app=app, name="typo.finalized", shared=False, **options)(_account_body)
+    with pytest.raises(ConfigurationError, match=named):
+        app.task(base=SingletonTask, name="typo.base", shared=False, **options)(_account_body)
+    with pytest.raises(ConfigurationError, match=named):
+        type("TypoSubclass", (SingletonTask,), {**options, "run": _account_body})
+    assert "typo.finalized" not in app.tasks
+
+    lazy = Celery("misspelled_lazy", broker="redis://127.0.0.1:1/0", set_as_current=False)
+    singleton_task(app=lazy, name="typo.lazy", shared=False, **options)(_account_body)
+    with pytest.raises(ConfigurationError, match=named):
+        lazy.finalize()
+
+
+def test_names_that_are_no_misspelled_lock_option_pass_through() -> None:
+    # Celery's own options close to a lock option (on_retry, on_failure), a subclass's own
+    # helpers and attributes far from any lock option are the task's business.
+    app = Celery("own_names", broker="redis://127.0.0.1:1/0", set_as_current=False)
+    app.finalize()
+    task = singleton_task(
+        app=app,
+        name="own.names",
+        shared=False,
+        on_failure=lambda *args: None,
+        typing=False,
+        lock_timeout_note="not an option",
+        locks=3,
+    )(_account_body)
+    assert (task.typing, task.locks, task.lock_timeout_note) == (False, 3, "not an option")
+
+    class WithHelpers(SingletonTask):
+        abstract = True
+        lock_plan_note = "a subclass's own attribute"
+
+        def lock_key_for_account(self, account_id: int) -> str:
+            return self.lock_key_for(account_id)
+
+    assert WithHelpers.lock_plan_note
+
+
 def test_lock_args_of_a_bound_task_name_caller_parameters_only() -> None:
     app = Celery("bound_args", broker="redis://127.0.0.1:1/0", set_as_current=False)
     app.finalize()
@@ -334,6 +391,46 @@ def test_bad_settings_are_configuration_errors(
         RedlockSettings.from_conf(app.conf)
     with pytest.raises(ConfigurationError, match=named):
         job.delay().get(timeout=5)
+
+
+def test_unknown_setting_names_get_the_closest_known_name() -> None:
+    assert unknown_setting_messages(
+        ["redlock_url", "redlock_tll", "redlock_pasword", "redlock_urls", "broker_url"]
+    ) == [
+        "celery_redlock knows no setting redlock_pasword (did you mean redlock_password?)",
+        "celery_redlock knows no setting redlock_tll (did you mean redlock_ttl?)",
+        "celery_redlock knows no setting redlock_url (did you mean redlock_urls?)",
+    ]
+    django = ["CELERY_REDLOCK_URL", "CELERY_REDLOCK_TTL", "REDLOCK_TTL", "CELERY_BROKER_URL"]
+    assert unknown_setting_messages(django, "CELERY_") == [
+        "celery_redlock knows no setting CELERY_REDLOCK_URL (did you mean CELERY_REDLOCK_URLS?)",
+        "celery_redlock knows no setting REDLOCK_TTL (did you mean CELERY_REDLOCK_TTL?)",
+    ]
+    assert unknown_setting_messages(["redlock_zzzzzzzz"]) == [
+        "celery_redlock knows no setting redlock_zzzzzzzz (README's Settings lists the known ones)"
+    ]
+
+
+def test_unknown_settings_warn_or_with_strict_settings_refuse(
+    broker: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    app = make_app(broker, lock_nodes=None, redlock_url=["redis://127.0.0.1:1/0"], redlock_tll=5)
+    with caplog.at_level("WARNING", logger="celery_redlock.settings"):
+        settings = RedlockSettings.from_conf(app.conf)
+    assert settings.urls == (broker.url,)  # redlock_url is not read: the broker holds the locks
+    assert [record.getMessage() for record in caplog.records] == [
+        "celery_redlock knows no setting redlock_tll (did you mean redlock_ttl?); it is ignored",
+        "celery_redlock knows no setting redlock_url (did you mean redlock_urls?); it is ignored",
+    ]
+    app.conf.redlock_strict_settings = True
+    with pytest.raises(
+        ConfigurationError, match=r"redlock_url \(did you mean redlock_urls"
+    ) as raised:
+        RedlockSettings.from_conf(app.conf)
+    assert "redlock_strict_settings is on" in str(raised.value)
+    app.conf.redlock_strict_settings = "yes"
+    with pytest.raises(ConfigurationError, match="redlock_strict_settings must be True or False"):
+        RedlockSettings.from_conf(app.conf)
 
 
 def test_django_style_celery_namespace(
