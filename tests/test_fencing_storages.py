@@ -359,12 +359,11 @@ def test_a_paused_holders_late_write_is_refused(
     wait_until(lambda: recorder.count("holding") == 1, timeout=30)
     token_a = recorder.read("holding")[0]["token"]
     holder.pause()  # A holds the lock and is about to write
-    paused_at = time.monotonic()
     try:
         second = client.send_task("fencing.write", (*arguments, "B"), queue="b")
         # B waits for A's lock, which runs out with A stopped: B takes it and writes.
+        # A stopped can release nothing: B's lock is proof that A's validity ran out.
         token_b = second.get(timeout=30)
-        assert time.monotonic() - paused_at > 0.5  # B's lock came after A's validity ran out
         assert token_b > token_a
         assert store.read(resource)[:2] == ("B", token_b)
         go.touch()
