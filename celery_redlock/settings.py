@@ -282,25 +282,25 @@ def check_url(url: object) -> None:
         return
     if parts.scheme not in URL_SCHEMES:
         raise ConfigurationError(
-            f"lock node URL {redact_url(url)!r} is not a Redis URL (scheme {parts.scheme!r}); "
-            f"use {example}"
+            f"redlock_urls: lock node URL {redact_url(url)!r} is not a Redis URL "
+            f"(scheme {parts.scheme!r}); use {example}"
         )
     if parts.scheme == "unix":
         if not parts.path:
             raise ConfigurationError(
-                f"lock node URL {redact_url(url)!r} names no socket path; use unix:///path/redis.sock"
+                f"redlock_urls: lock node URL {redact_url(url)!r} names no socket path; use unix:///path/redis.sock"
             )
         database = (parse_qs(parts.query).get("db") or ["0"])[0]
     else:
         if not parts.hostname:
             raise ConfigurationError(
-                f"lock node URL {redact_url(url)!r} names no host; use redis://host:6379/0"
+                f"redlock_urls: lock node URL {redact_url(url)!r} names no host; use redis://host:6379/0"
             )
         try:
             parts.port  # noqa: B018 - parsing the port is the check
         except ValueError:
             raise ConfigurationError(
-                f"lock node URL {redact_url(url)!r} has an invalid port; use redis://host:6379/0"
+                f"redlock_urls: lock node URL {redact_url(url)!r} has an invalid port; use redis://host:6379/0"
             ) from None
         database = parts.path.lstrip("/") or "0"
     _check_database(url, database)
@@ -309,8 +309,8 @@ def check_url(url: object) -> None:
 def _check_database(url: str, database: str) -> None:
     if not database.isdigit():
         raise ConfigurationError(
-            f"lock node URL {redact_url(url)!r} names database {database!r}, which is not a "
-            "number; end the URL with the database number, e.g. redis://host:6379/0"
+            f"redlock_urls: lock node URL {redact_url(url)!r} names database {database!r}, "
+            "which is not a number; end the URL with the database number, e.g. redis://host:6379/0"
         )
 
 
@@ -324,19 +324,19 @@ def _check_multi_host_url(url: str, scheme: str) -> None:
             else "redis+sentinel://host:26379[,host:26379...]/<service name>[/<db>]"
         )
         raise ConfigurationError(
-            f"lock node URL {redact_url(url)!r} cannot be read ({error}); use {form}"
+            f"redlock_urls: lock node URL {redact_url(url)!r} cannot be read ({error}); use {form}"
         ) from None
     if scheme in CLUSTER_SCHEMES:
         if parts.path.strip("/") not in ("", "0"):
             raise ConfigurationError(
-                f"lock node URL {redact_url(url)!r} names a database; a Redis Cluster has only "
-                "database 0: use redis+cluster://host:port[,host:port...]"
+                f"redlock_urls: lock node URL {redact_url(url)!r} names a database; a Redis "
+                "Cluster has only database 0: use redis+cluster://host:port[,host:port...]"
             )
         return
     service, _, database = parts.path.strip("/").partition("/")
     if not service:
         raise ConfigurationError(
-            f"lock node URL {redact_url(url)!r} names no service; use "
+            f"redlock_urls: lock node URL {redact_url(url)!r} names no service; use "
             "redis+sentinel://host:26379[,host:26379...]/<service name>[/<db>]"
         )
     _check_database(url, database or "0")

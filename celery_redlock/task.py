@@ -7,10 +7,12 @@ is `celery_redlock.run.Run` (a plain function call: `celery_redlock.direct.Direc
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
 from celery import Task, shared_task
+from celery.platforms import EX_FAILURE
 
 from . import enqueue, events, signals
 from .direct import DirectRun, current_run
@@ -20,6 +22,8 @@ from .outcomes import Lock
 from .plan import PLAN_ATTRIBUTE, TaskPlan, check_class_options, make_plan
 from .process_loss import LockAwareRequest
 from .run import Run
+
+logger = logging.getLogger(__name__)
 
 
 class SingletonTask(Task):  # type: ignore[misc]
@@ -89,8 +93,14 @@ class SingletonTask(Task):  # type: ignore[misc]
 
     def start_strategy(self, app: Any, consumer: Any, **kwargs: Any) -> Any:
         """Check the settings and this task's options when the worker starts (in its main
-        process): an error here stops the worker instead of failing every run later."""
-        self.lock_plan.runtime.check_nodes()
+        process): an error here stops the worker instead of failing every run later, with one
+        log line that names the setting and the fix."""
+        try:
+            self.lock_plan.runtime.check_nodes()
+        except ConfigurationError as error:
+            logger.critical("celery_redlock configuration error, the worker stops: %s", error)
+            # Celery logs any other exception with a traceback that buries the message.
+            raise SystemExit(EX_FAILURE) from None
         return super().start_strategy(app, consumer, **kwargs)
 
     def apply_async(

@@ -131,8 +131,8 @@ def connection_options(
         )
     except (ValueError, TypeError) as error:
         raise ConfigurationError(
-            f"cannot use lock node URL {redact_url(url)!r}: {error}; "
-            "the form is redis://[user:password@]host:port/db"
+            f"redlock_urls: cannot use lock node URL {redact_url(url)!r}: "
+            f"{str(error).rstrip('.')}; the form is redis://[user:password@]host:port/db"
         ) from error
     options: dict[str, Any] = dict(pool.connection_kwargs)
     # No CLIENT SETINFO in the handshake: connecting to a hung server then costs nothing until
