@@ -118,6 +118,7 @@ def test_a_task_id_sent_again_runs_with_its_own_arguments_and_task(
     make_test_app: MakeApp,
     run_log: RunLog,
     lock_signals: LockSignals,
+    deliveries: dict[str, list[str]],
     kind: str,
     pool: str,
 ) -> None:
@@ -133,6 +134,10 @@ def test_a_task_id_sent_again_runs_with_its_own_arguments_and_task(
         first_task.apply_async((2,), task_id=task_id)  # the same task, other arguments
         second = _wait_for_runs(run_log, lock_signals, task_id, 2)[1]
         assert json.loads(second["arguments"]) == [2, 0]
+        # The body's end is not the delivery's: the worker stores the result after it (ignored
+        # while the id's first SUCCESS is stored). A forget() in between let it store 2, which
+        # the third run's result could then not replace.
+        assert wait_until(lambda: deliveries.get(task_id, []).count("finished") >= 2, 10)
         # Celery's result store keeps the first SUCCESS of an id, for plain tasks too
         # (celery/backends/base.py, _store_result): a caller that wants the answer of a call
         # reusing an id forgets the id first.
