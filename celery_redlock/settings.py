@@ -194,10 +194,13 @@ def closest_name(name: str, known: Iterable[str], cutoff: float = 0.6) -> str | 
 def unknown_setting_messages(names: Iterable[str], namespace: str = "") -> list[str]:
     """What to say about each of ``names`` (the keys of an ``app.conf``) that looks like a
     celery_redlock setting but is none, each naming the closest known setting as written there.
-    ``namespace`` is Celery's (``CELERY_`` for Django's ``CELERY_REDLOCK_URLS``)."""
+    ``namespace`` is Celery's (``CELERY_`` for Django's ``CELERY_REDLOCK_URLS``); outside it,
+    only lower-case names count: Django's other settings belong to other libraries."""
     messages = []
     for name in sorted(names):
         namespaced = bool(namespace) and name.upper().startswith(namespace.upper())
+        if namespace and not namespaced and not name.islower():
+            continue
         setting = (name[len(namespace) :] if namespaced else name).lower()
         if not setting.startswith(SETTING_PREFIX) or (
             setting in SETTING_NAMES and (namespaced or name == setting)
@@ -207,8 +210,7 @@ def unknown_setting_messages(names: Iterable[str], namespace: str = "") -> list[
         if match is None:
             hint = "README's Settings lists the known ones"
         else:
-            upper = bool(namespace) and not name.islower()
-            hint = f"did you mean {namespace + match.upper() if upper else match}?"
+            hint = f"did you mean {namespace + match.upper() if namespaced else match}?"
         messages.append(f"celery_redlock knows no setting {name} ({hint})")
     return messages
 

@@ -401,10 +401,14 @@ def test_unknown_setting_names_get_the_closest_known_name() -> None:
         "celery_redlock knows no setting redlock_tll (did you mean redlock_ttl?)",
         "celery_redlock knows no setting redlock_url (did you mean redlock_urls?)",
     ]
-    django = ["CELERY_REDLOCK_URL", "CELERY_REDLOCK_TTL", "REDLOCK_TTL", "CELERY_BROKER_URL"]
-    assert unknown_setting_messages(django, "CELERY_") == [
+    # Under Django's namespace, upper-case names outside it are other libraries' settings.
+    django = ["CELERY_REDLOCK_URL", "CELERY_REDLOCK_TTL", "REDLOCK_TLL", "CELERY_BROKER_URL"]
+    assert unknown_setting_messages([*django, "redlock_tll"], "CELERY_") == [
         "celery_redlock knows no setting CELERY_REDLOCK_URL (did you mean CELERY_REDLOCK_URLS?)",
-        "celery_redlock knows no setting REDLOCK_TTL (did you mean CELERY_REDLOCK_TTL?)",
+        "celery_redlock knows no setting redlock_tll (did you mean redlock_ttl?)",
+    ]
+    assert unknown_setting_messages(["REDLOCK_URLS"]) == [
+        "celery_redlock knows no setting REDLOCK_URLS (did you mean redlock_urls?)"
     ]
     assert unknown_setting_messages(["redlock_zzzzzzzz"]) == [
         "celery_redlock knows no setting redlock_zzzzzzzz (README's Settings lists the known ones)"
@@ -431,6 +435,25 @@ def test_unknown_settings_warn_or_with_strict_settings_refuse(
     app.conf.redlock_strict_settings = "yes"
     with pytest.raises(ConfigurationError, match="redlock_strict_settings must be True or False"):
         RedlockSettings.from_conf(app.conf)
+
+
+def test_unknown_settings_in_django_namespace_name_the_namespaced_setting(
+    broker: RedisServer,
+) -> None:
+    class DjangoSettings:
+        CELERY_BROKER_URL = broker.url
+        CELERY_REDLOCK_URL = broker.url
+        CELERY_REDLOCK_STRICT_SETTINGS = True
+        REDLOCK_URL = "another library's setting"
+
+    app = Celery("django_typo", set_as_current=False)
+    app.config_from_object(DjangoSettings, namespace="CELERY")
+    with pytest.raises(ConfigurationError) as raised:
+        RedlockSettings.from_conf(app.conf)
+    assert str(raised.value) == (
+        "celery_redlock knows no setting CELERY_REDLOCK_URL (did you mean CELERY_REDLOCK_URLS?) "
+        "(redlock_strict_settings is on: fix or remove the name)"
+    )
 
 
 def test_django_style_celery_namespace(
