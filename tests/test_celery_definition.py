@@ -30,6 +30,7 @@ from celery_redlock import (
     SingletonTask,
     singleton_task,
 )
+from celery_redlock.plan import LOCK_OPTIONS
 from celery_redlock.runtime import AppRuntime
 from celery_redlock.settings import unknown_setting_messages
 from celery_redlock.testing import RedisNodes, RedisServer
@@ -278,6 +279,10 @@ def test_misspelled_lock_options_are_refused_with_the_closest_name(
     singleton_task(app=lazy, name="typo.lazy", shared=False, **options)(_account_body)
     with pytest.raises(ConfigurationError, match=named):
         lazy.finalize()
+
+
+def test_misspellings_are_checked_against_every_lock_option() -> None:
+    assert set(LOCK_OPTIONS) == set(SingletonTask.__annotations__)
 
 
 def test_names_that_are_no_misspelled_lock_option_pass_through() -> None:
