@@ -1,10 +1,12 @@
 """Faults between a shared connection and its server, injected where replies could reach the wrong
 caller: a socket whose next write is held at a gate (`GatedSocket`), and a TCP proxy on loopback
-that cuts connections at random as replies pass (`CuttingProxy`). The servers stay real."""
+that cuts connections at random as replies pass, or hands the replies over late (`FaultyProxy`).
+The servers stay real."""
 
 from __future__ import annotations
 
 import contextlib
+import queue
 import random
 import socket
 import threading
@@ -67,15 +69,19 @@ class NoisySocket:
         return getattr(self.real, name)
 
 
-class CuttingProxy:
+class FaultyProxy:
     """Listens on a free loopback port and forwards every connection to ``target``. Each chunk
-    of bytes from the server is, with probability ``cut_chance``, dropped instead, and the
-    connection cut on both sides (what a reset or a failing link does mid-reply). A context
-    manager; `cuts` counts the cuts."""
+    of bytes from the server reaches the client ``delay`` seconds after it arrived (a server
+    that answers every command, only late: a busy host) or is, with probability ``cut_chance``,
+    dropped instead, and the connection cut on both sides (what a reset or a failing link does
+    mid-reply). A context manager; `cuts` counts the cuts."""
 
-    def __init__(self, target: tuple[str, int], cut_chance: float, seed: int) -> None:
+    def __init__(
+        self, target: tuple[str, int], cut_chance: float = 0.0, seed: int = 0, delay: float = 0.0
+    ) -> None:
         self.target = target
         self.cut_chance = cut_chance
+        self.delay = delay
         self.cuts = 0
         self._random = random.Random(seed)
         self._listener = socket.create_server(("127.0.0.1", 0))
@@ -89,7 +95,7 @@ class CuttingProxy:
         """The ``redis://`` URL of the proxy."""
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def __enter__(self) -> CuttingProxy:
+    def __enter__(self) -> FaultyProxy:
         threading.Thread(target=self._accept, daemon=True).start()
         return self
 
@@ -137,15 +143,35 @@ class CuttingProxy:
         source: socket.socket,
         sink: socket.socket,
         pair: tuple[socket.socket, socket.socket],
-        cutting: bool,
+        replies: bool,
     ) -> None:
+        late: queue.Queue[tuple[float, bytes]] | None = None
+        if replies and self.delay:
+            late = queue.Queue()
+            sender = threading.Thread(target=self._hand_over_late, args=(late, sink))
+            sender.start()
         with contextlib.suppress(OSError):
             while data := source.recv(65536):
-                if cutting and self._random.random() < self.cut_chance:
+                if replies and self._random.random() < self.cut_chance:
                     with self._guard:
                         self.cuts += 1
                     break
-                sink.sendall(data)
+                if late is not None:
+                    late.put((time.monotonic() + self.delay, data))
+                else:
+                    sink.sendall(data)
+        if late is not None:
+            late.put((0.0, b""))
+            sender.join()
         for sock in pair:  # one direction ends: so does the other
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
+
+    def _hand_over_late(self, late: queue.Queue[tuple[float, bytes]], sink: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                due, data = late.get()
+                if not data:
+                    return
+                time.sleep(max(0.0, due - time.monotonic()))
+                sink.sendall(data)

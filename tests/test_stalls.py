@@ -17,8 +17,8 @@ import time
 import pytest
 from celery_apps.subprocesses import WorkerProcess, app_environment, control_app
 from celery_apps.support import RunLog
-from delaying_proxy import DelayingProxy
 from redlock_support import collect_results_while_the_broker_is_up, value_on, wait_until
+from reply_faults import FaultyProxy
 
 from celery_redlock import QuorumUnavailable, Redlock
 from celery_redlock.testing import RedisNodes, RedisServer, celery_processes
@@ -173,7 +173,7 @@ def test_nodes_that_answer_late_are_waited_for_not_given_up() -> None:
         contextlib.ExitStack() as proxies,
     ):
         late = [
-            proxies.enter_context(DelayingProxy((server.host, server.port), 0.08))
+            proxies.enter_context(FaultyProxy((server.host, server.port), delay=0.08))
             for server in nodes.servers
         ]
         dlm = Redlock([proxy.url for proxy in late], retry_count=1, node_timeout=NODE_TIMEOUT)

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 from redlock_support import wait_until
-from reply_faults import CuttingProxy, GatedSocket, NoisySocket
+from reply_faults import FaultyProxy, GatedSocket, NoisySocket
 
 from celery_redlock import Redlock, keyspace, scripts
 from celery_redlock.nodes import NO_REPLY, NodeGroup, RoundResult, members_from_urls
@@ -222,7 +222,7 @@ def test_threads_on_connections_cut_at_random_get_only_their_own_replies(
     with contextlib.ExitStack() as stack:
         proxies = [
             stack.enter_context(
-                CuttingProxy(("127.0.0.1", server.port), cut_chance=0.02, seed=seed + index)
+                FaultyProxy(("127.0.0.1", server.port), cut_chance=0.02, seed=seed + index)
             )
             for index, server in enumerate(three_nodes)
         ]
