@@ -249,6 +249,9 @@ class Redlock:
                 self._release_value(key, value, ttl)  # an interrupted round may have set keys
                 raise
             if isinstance(outcome, Acquired):
+                # An earlier round of this acquisition, with the same token, may have left a
+                # clean-up owed to a node that was silent: it would now remove this lock.
+                self._group.forgive(key, value)
                 return outcome
             # Release everywhere, including nodes that seemed to fail: a SET may have landed.
             self._release_value(key, value, ttl)

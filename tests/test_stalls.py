@@ -21,6 +21,9 @@ from redlock_support import collect_results_while_the_broker_is_up, value_on, wa
 from reply_faults import FaultyProxy
 
 from celery_redlock import QuorumUnavailable, Redlock
+from celery_redlock.nodes.resp import pack_command
+from celery_redlock.outcomes import Acquired
+from celery_redlock.scripts import RELEASE
 from celery_redlock.testing import RedisNodes, RedisServer, celery_processes
 
 NODE_TIMEOUT = 0.05  # the default
@@ -262,3 +265,30 @@ def test_a_tls_node_that_stalls_in_its_handshake_costs_at_most_one_node_timeout(
     # redis-py bounds the TCP connect and the handshake each by the timeout: one connection
     # attempt to such a node takes about 1.5 node timeouts (it took 1.3 s before, in turn).
     assert max(stalled) <= max(healthy) + 2 * NODE_TIMEOUT + 0.03
+
+
+def test_a_clean_up_owed_for_a_value_is_dropped_once_that_value_is_a_lock_taken(three_nodes):
+    """The rounds of one acquisition share its token: once a later round takes the lock, a
+    clean-up an earlier round owed a silent node for that value must never be sent (it would
+    remove the lock there), while clean-ups owed for other values stay."""
+    dlm = Redlock(three_nodes.urls, retry_count=1, node_timeout=NODE_TIMEOUT)
+    dlm.release(dlm.acquire("warm-up", ttl=1.0))
+    token = "0" * 40
+    value = f"{token}|earlier-round"
+    three_nodes[2].pause()
+    try:
+        endpoint = dlm.nodes[2].endpoint_for(dlm.key_for("forgiven"))
+        assert endpoint is not None
+        until = time.monotonic() + TTL
+        for owed_value in (value, f"{'1' * 40}|another"):  # as earlier rounds owed them
+            key = dlm.key_for("forgiven")
+            packed = pack_command("EVAL", RELEASE.source, 1, key, owed_value, 0)
+            endpoint.owe(packed, until)
+        outcome = dlm.attempt("forgiven", TTL, "earlier-round", token=token)
+        assert isinstance(outcome, Acquired)
+        assert outcome.lock.value == value
+        assert endpoint.owed == 1, "the clean-up of the lock taken is still owed"
+    finally:
+        three_nodes[2].resume()
+    assert dlm.extend(outcome.lock)
+    assert dlm.release(outcome.lock)

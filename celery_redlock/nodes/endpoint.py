@@ -300,6 +300,15 @@ class Endpoint:
         owed.append((until, packed))
         self._start_probe()
 
+    def forgive(self, value: bytes) -> None:
+        """Drop the clean-ups owed for ``value``: its acquisition took the lock after all (a
+        later round of it, with the same token), and the lock must not be removed."""
+        owed = self._owed
+        if owed:
+            kept = [debt for debt in list(owed) if value not in debt[1]]
+            owed.clear()
+            owed.extend(kept)
+
     @property
     def owed(self) -> int:
         """How many clean-ups wait for the server to answer again."""

@@ -179,6 +179,14 @@ class NodeGroup:
             raise
         return round_.finish()
 
+    def forgive(self, key: str, value: str) -> None:
+        """Drop the clean-ups owed for ``value`` at ``key``: it is a lock taken now."""
+        encoded = value.encode()
+        for node in self.nodes:
+            endpoint = node.endpoint_for(key)
+            if endpoint is not None:
+                endpoint.forgive(encoded)
+
     def listen_for_releases(self, channel: str) -> ReleaseListener:
         """Subscriptions to ``channel`` (a lock key) on every member that is not backed off."""
         return ReleaseListener(self, self.connections(), channel)

@@ -454,7 +454,10 @@ class Round(Waiting):
             for call in self.calls:
                 if call is not None and not all(slot.done for slot in call.slots):
                     self.calls[call.index] = None
-                    self._owe(call.endpoint)
+                    if call.endpoint.is_backed_off(now):
+                        # Silent: its connection may fail before the command is read. A server
+                        # that is only late reads it in order behind what it was sent before.
+                        self._owe(call.endpoint)
                     if call.main is not None and call.main.done and call.replicas is not None:
                         why = f"its replicas did not acknowledge within {self.patience:.3g}s"
                         self._settle(call.index, f"{why} (WAIT)")
