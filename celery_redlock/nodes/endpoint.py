@@ -305,9 +305,10 @@ class Endpoint:
         later round of it, with the same token), and the lock must not be removed."""
         owed = self._owed
         if owed:
-            kept = [debt for debt in list(owed) if value not in debt[1]]
-            owed.clear()
-            owed.extend(kept)
+            # One removal at a time: a clean-up owed meanwhile by another thread is kept.
+            for debt in [debt for debt in list(owed) if value in debt[1]]:
+                with contextlib.suppress(ValueError):
+                    owed.remove(debt)
 
     @property
     def owed(self) -> int:
