@@ -605,8 +605,11 @@ def test_refused_grants_do_not_outlive_their_attempts(cluster: RedisCluster) -> 
             resources.append(resource)
     waiting = Redlock.from_settings(RedlockSettings(urls=(cluster.url,), wait_replicas=1))
     replica = cluster.replicas_of(owner)[0]
-    warm = waiting.acquire(unique("warm-up"), 5.0)  # connections open, scripts loaded
-    assert warm is not None and waiting.release(warm)
+    # Connections open, scripts loaded, slot map read. (A grant may miss its replica's
+    # acknowledgement within half a 50 ms node timeout on a busy host: that is no failure here.)
+    warm = waiting.attempt(unique("warm-up"), 5.0, rounds=1)
+    if isinstance(warm, Acquired):
+        waiting.release(warm.lock)
     outcomes: list[object] = []
     replica.pause()
     try:
