@@ -32,9 +32,10 @@ from celery_redlock import (
     keyspace,
     singleton_task,
 )
-from celery_redlock.outcomes import Acquired, Held, Unavailable
+from celery_redlock.outcomes import Acquired, Held, Lock, Unavailable
 from celery_redlock.settings import RedlockSettings
 from celery_redlock.testing import RedisCluster, RedisServer
+from celery_redlock.testing.slot_migration import SlotMigration
 
 pytestmark = pytest.mark.topology
 pytest_plugins = ["celery_apps.fixtures"]
@@ -324,15 +325,23 @@ def test_a_cluster_failover_keeps_the_held_lock(cluster: RedisCluster) -> None:
         assert rival_manager.release(neighbour)
 
 
+def migrating_lock(
+    cluster: RedisCluster, holder: Redlock, resource: str
+) -> tuple[Lock, RedisServer, RedisServer, SlotMigration]:
+    """``holder``'s new lock on ``resource``, its slot's master, another master, and the
+    migration of the slot from the one to the other, begun (no key moved yet)."""
+    lock = holder.acquire(resource, 15.0)
+    assert lock is not None
+    slot = cluster.key_slot(lock.key)
+    source = cluster.slot_owner(slot)
+    destination = next(master for master in cluster.masters() if master is not source)
+    return lock, source, destination, cluster.begin_slot_migration(slot, destination)
+
+
 def test_a_slot_migration_keeps_the_held_lock(cluster: RedisCluster) -> None:
     resource = unique("migrating")
     with lock_managers([cluster.url]) as (holder, rival):
-        lock = holder.acquire(resource, 15.0)
-        assert lock is not None
-        slot = cluster.key_slot(lock.key)
-        source = cluster.slot_owner(slot)
-        destination = next(master for master in cluster.masters() if master is not source)
-        migration = cluster.begin_slot_migration(slot, destination)
+        lock, _, destination, migration = migrating_lock(cluster, holder, resource)
         finished = False
         try:
             assert holder.extend(lock)  # migrating, but the source still has the keys
@@ -363,7 +372,7 @@ def test_a_slot_migration_keeps_the_held_lock(cluster: RedisCluster) -> None:
             if not finished:
                 migration.move_keys()
                 migration.finish()
-        assert cluster.slot_owner(slot) is destination
+        assert cluster.slot_owner(migration.slot) is destination
         assert value_on(destination, lock.key) == lock.value
         assert holder.release(lock)
         assert value_on(destination, lock.key) is None
@@ -650,12 +659,7 @@ def test_a_holder_extends_and_releases_in_a_half_migrated_slot(
     still extends its lock and releases it: the scripts run on the lock key alone."""
     resource = unique("half-migrated")
     with lock_managers([cluster.url]) as (holder, rival):
-        lock = holder.acquire(resource, 15.0)
-        assert lock is not None
-        slot = cluster.key_slot(lock.key)
-        source = cluster.slot_owner(slot)
-        destination = next(master for master in cluster.masters() if master is not source)
-        migration = cluster.begin_slot_migration(slot, destination)
+        lock, source, destination, migration = migrating_lock(cluster, holder, resource)
         try:
             key = lock.key if moved == "lock key" else keyspace.fence_key(lock.key)
             with source.client(socket_timeout=5) as client:
