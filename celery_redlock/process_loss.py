@@ -16,6 +16,7 @@ from typing import Any
 from billiard.exceptions import Terminated, WorkerLostError
 from celery.worker.request import Request
 
+from .messages import stamp_received
 from .owner import run_prefix
 
 logger = logging.getLogger(__name__)
@@ -74,9 +75,15 @@ class LockAwareRequest(Request):  # type: ignore[misc]
     Runs in the worker's main process. When the process running a singleton task is lost, it
     frees that process's lock *before* Celery requeues or reports the task (so a requeued copy
     with ``reject_on_worker_lost`` runs at once) — and, at a hard time limit, only after the pool
-    has killed the process (Celery calls ``on_timeout`` before it kills it). A custom ``Request``
-    for a singleton task must subclass this one.
+    has killed the process (Celery calls ``on_timeout`` before it kills it). It also notes when
+    the message was received (`celery_redlock.messages.stamp_received`), which tells a run
+    whether a copy may still come. A custom ``Request`` for a singleton task must subclass this
+    one.
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        stamp_received(self.request_dict)
 
     def on_failure(
         self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False

@@ -9,7 +9,8 @@ body — so ``delay``, ``apply_async``, ``send_task``, beat, canvas and retries 
    and decide again, defer (publish this message again), acknowledge, skip, retry or raise;
 3. the body runs while the lock keeper extends the lock;
 4. the moment the body ends, `Run.finish` releases the lock (or keeps it ``lock_hold`` seconds)
-   and records that this message's attempt completed, in one round — before Celery publishes
+   and, where a copy of the message may still come (`celery_redlock.messages.copy_may_come`),
+   records that this message's attempt completed, in one round — before Celery publishes
    callbacks, the next chain step or a chord's body, which may need the same lock.
 
 Nothing acknowledges a message without running its body unless the body ran (the record says
@@ -39,7 +40,7 @@ from .errors import (
     RedlockError,
 )
 from .keeper import KeptLock
-from .messages import message_field
+from .messages import copy_may_come, message_field
 from .outcomes import Acquired, Contended, Held, Lock, Outcome, Record, Unavailable, new_token
 from .owner import Owner, claim_prefix, describe_holder
 from .plan import TaskPlan
@@ -92,12 +93,14 @@ class Run:
         owner = plan.owner_texts.text(request.id, retries, nesting, worker)
         key = self.runtime.redlock.key_for(resource)
         self.lock = Lock(resource, key, new_token(), validity=0.0, ttl=plan.ttl, owner=owner)
-        self.record: Record | None = None
+        self.record: Record | None = None  # checked by every attempt
+        self.writes_record = False  # written by the release once the body ran
         completed_ttl = self.runtime.settings.completed_ttl
         if request.id and not request.is_eager and completed_ttl > 0:
             field = message_field(task.name, request)
             record_key = keyspace.records_key(key, request.id)
             self.record = Record(record_key, field, self.attempt_rank, completed_ttl)
+            self.writes_record = copy_may_come(task.acks_late, request, completed_ttl)
         self.hold = plan.hold
         self.started = time.monotonic()
         self.kept: KeptLock | None = None
@@ -238,13 +241,14 @@ class Run:
 
     def finish(self, state: str) -> bool:
         """End the run's lock: release it (or keep it ``lock_hold`` more seconds, never on
-        RETRY), record that this message's attempt completed when the body ran, and report it.
-        Returns whether a majority confirmed the lock was still held. Called again after an
-        interruption (by the ``task_postrun`` handler), it finishes what is left."""
+        RETRY), record that this message's attempt completed when the body ran and a copy may
+        come, and report it. Returns whether a majority confirmed the lock was still held.
+        Called again after an interruption (by the ``task_postrun`` handler), it finishes what
+        is left."""
         kept = self.kept
         if kept is not None:
             self.runtime.keeper.stop(kept)
-        body_ran = kept is not None and state in COMPLETED_STATES
+        records = self.writes_record and kept is not None and state in COMPLETED_STATES
         reported = kept is not None and events.listening(self.task, signals.lock_released)
         released = False
         try:
@@ -254,7 +258,7 @@ class Run:
             released = self.runtime.redlock.release(
                 self.lock,
                 hold=self.hold if state != states.RETRY else 0.0,
-                record=self.record if body_ran else None,
+                record=self.record if records else None,
                 confirm=reported,
             )
         except RedlockError as error:

@@ -201,13 +201,20 @@ return 1
     alone=True,
 )
 
+FENCE_AFTER_RELEASE_MILLISECONDS = 1000
+"""How long a fencing counter outlives the lock a holder released (it lives as long as the lock
+otherwise): the next holder's token is then at least its own clock in microseconds, above every
+token handed out before whenever the hosts' clocks agree within half this time. Keeping counters
+longer would keep a key per lock key ever used, for every task run."""
+
 # KEYS[1] lock key (also the channel waiters listen on), KEYS[2] its fencing counter, KEYS[3]
 # (optional) its 0.2-layout key (KEYS[1] again: none), KEYS[4] (optional) a record hash. ARGV[1]
 # value; ARGV[2] hold in ms (0: delete now; else keep the lock that much longer); ARGV[3],
 # ARGV[4], ARGV[5] (with KEYS[4]) the record's field, the rank to record and the record's
 # lifetime in ms.
-# Returns 1 if the lock was still ours, else 0; the record is written either way. The 0.2-layout
-# copy goes (or is kept) with the lock, where it holds ARGV[1].
+# Returns 1 if the lock was still ours, else 0; the record is written either way. A deleted lock's
+# fencing counter lives FENCE_AFTER_RELEASE_MILLISECONDS more. The 0.2-layout copy goes (or is
+# kept) with the lock, where it holds ARGV[1].
 # Called with the lock key alone, the rest is left as it is.
 # The PUBLISH is a pcall: an ACL user may lack channel permissions, and the release counts anyway.
 RELEASE = Script(
@@ -215,6 +222,7 @@ RELEASE = Script(
     _CALL
     + _COVERS
     + _KEEP_FENCE
+    + f"local FENCE_AFTER_RELEASE = {FENCE_AFTER_RELEASE_MILLISECONDS}\n"
     + """
 local released = 0
 if call('GET', KEYS[1]) == ARGV[1] then
@@ -226,6 +234,9 @@ if call('GET', KEYS[1]) == ARGV[1] then
         end
     else
         call('DEL', KEYS[1])
+        if KEYS[2] then
+            call('PEXPIRE', KEYS[2], FENCE_AFTER_RELEASE)
+        end
         redis.pcall('PUBLISH', KEYS[1], 'released')
     end
     released = 1

@@ -45,7 +45,7 @@ class RedlockSettings:
     on_duplicate: str = "skip"  # redlock_on_duplicate
     on_unavailable: str = "retry"  # redlock_on_unavailable
     unavailable_timeout: float | None = 3600.0  # redlock_unavailable_timeout; None: for ever
-    completed_ttl: float = 7200.0  # redlock_completed_ttl; 0: no completion markers
+    completed_ttl: float = 3600.0  # redlock_completed_ttl; default: the visibility_timeout
     retry_count: int = 3  # redlock_retry_count
     retry_delay: float = 0.2  # redlock_retry_delay
     clock_drift_factor: float = 0.01  # redlock_clock_drift_factor
@@ -170,6 +170,8 @@ class RedlockSettings:
             if value is not _UNSET and (value is not None or field.name == "unavailable_timeout"):
                 values[field.name] = value
         values["urls"] = _lock_urls(values.get("urls"), conf.get("broker_url"))
+        if "completed_ttl" not in values:
+            values["completed_ttl"] = redelivery_window(conf.get("broker_transport_options"))
         settings = cls(**values)
         unknown = unknown_setting_messages(conf.keys(), getattr(conf, "prefix", None) or "")
         if unknown and settings.strict_settings:
@@ -179,6 +181,16 @@ class RedlockSettings:
         for message in unknown:
             logger.warning("%s; it is ignored", message)
         return settings
+
+
+def redelivery_window(transport_options: Any) -> float:
+    """How long after delivery a broker may deliver an unacknowledged message again: the
+    transport's ``visibility_timeout`` (Redis, SQS) when set, else 3600 s (their default; RabbitMQ
+    redelivers when the consumer's connection ends, or after its 30-minute ``consumer_timeout``)."""
+    timeout = (transport_options or {}).get("visibility_timeout")
+    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0:
+        return float(timeout)
+    return 3600.0
 
 
 SETTING_NAMES = tuple(f"{SETTING_PREFIX}{field.name}" for field in fields(RedlockSettings))

@@ -313,6 +313,7 @@ def test_a_worker_runs_singleton_tasks_as_the_acl_user(
         lock_args=("account",),
         on_duplicate="wait",
         lock_ttl=30,
+        acks_late=True,  # its releases write completion records
     )
     def sync(self: Any, account: int, hold: bool = False) -> str:
         started[self.request.id] = time.monotonic()

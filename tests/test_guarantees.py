@@ -21,6 +21,7 @@ from celery.exceptions import Ignore
 from celery_apps.support import (
     LockSignals,
     RunLog,
+    all_keys,
     completion_ranks,
     embedded_worker,
     key_gone,
@@ -226,14 +227,73 @@ def test_a_task_id_that_completed_does_not_run_again(
     assert completion_ranks(lock_nodes, task_id) == [{"0:0"}] * len(lock_nodes)
 
 
+def test_runs_acknowledged_on_receipt_leave_nothing_on_the_lock_nodes(
+    broker: RedisServer, lock_nodes: RedisNodes, lock_signals: LockSignals
+) -> None:
+    # A message acknowledged on receipt is never delivered again: its run needs no completion
+    # record, and its fencing counter goes a second after the release. An acks_late run's
+    # record lives as long as the broker's redelivery window (its visibility_timeout).
+    app = make_app(broker, lock_nodes, broker_transport_options={"visibility_timeout": 120})
+
+    @singleton_task(app=app, shared=False, name="edge.early")
+    def early(item: int) -> int:
+        return item
+
+    @singleton_task(app=app, shared=False, name="edge.late", acks_late=True)
+    def late(item: int) -> int:
+        return item
+
+    def keys_of(task_name: str) -> list[set[str]]:
+        return [{key for key in keys if task_name in key} for keys in all_keys(lock_nodes)]
+
+    with embedded_worker(app):
+        assert [early.delay(item).get(timeout=10) for item in range(20)] == list(range(20))
+        kept = late.delay(1)
+        assert kept.get(timeout=10) == 1
+        lock_signals.wait("lock_released", task_id=kept.id)
+    assert wait_until(lambda: keys_of("edge.early") == [set()] * len(lock_nodes), timeout=5)
+    assert completion_ranks(lock_nodes, kept.id) == [{"0:0"}] * len(lock_nodes)
+    (record,) = {key for key in keys_of("edge.late")[0] if ":done:" in key}
+    for server in lock_nodes:
+        with server.client() as client:
+            assert 100_000 < client.pttl(record) <= 120_000
+
+
+def test_a_message_that_waited_past_half_the_redelivery_window_leaves_a_record(
+    broker: RedisServer, lock_nodes: RedisNodes, lock_signals: LockSignals
+) -> None:
+    # Acknowledged on receipt, but only when a pool thread took it: 1.5 s after the worker
+    # received it, past half the 2 s visibility_timeout. A copy may come: the run records itself.
+    app = make_app(
+        broker,
+        lock_nodes,
+        broker_transport_options={"visibility_timeout": 2, "polling_interval": 0.1},
+    )
+
+    @singleton_task(app=app, shared=False, name="edge.queued")
+    def job(item: int, seconds: float) -> int:
+        time.sleep(seconds)
+        return item
+
+    with embedded_worker(app, concurrency=1):
+        first, second = job.delay(1, 1.5), job.delay(2, 0)
+        assert (first.get(timeout=10), second.get(timeout=10)) == (1, 2)
+        lock_signals.wait("lock_released", task_id=second.id)
+    assert completion_ranks(lock_nodes, first.id) == [set()] * len(lock_nodes)
+    assert completion_ranks(lock_nodes, second.id) == [{"0:0"}] * len(lock_nodes)
+
+
 def test_only_the_attempts_that_ran_are_completed(
     broker: RedisServer, lock_nodes: RedisNodes, run_log: RunLog, lock_signals: LockSignals
 ) -> None:
     # A task that retried once: both attempts ran. A copy of either is not run again — but the
-    # marker never stops an attempt that has not run (here: the retry itself).
+    # marker never stops an attempt that has not run (here: the retry itself). acks_late: a copy
+    # of a message acknowledged on receipt never comes (no record is written for it).
     app = make_app(broker, lock_nodes)
 
-    @singleton_task(app=app, shared=False, bind=True, name="edge.retried", max_retries=2)
+    @singleton_task(
+        app=app, shared=False, bind=True, name="edge.retried", max_retries=2, acks_late=True
+    )
     def job(self: SingletonTask, item: int) -> int:
         with run_log.run(self.lock.key, task_id=self.request.id, retries=self.request.retries):
             pass
@@ -596,7 +656,7 @@ def test_an_ignore_from_the_body_still_releases_and_completes(
 ) -> None:
     app = make_app(broker, lock_nodes)
 
-    @singleton_task(app=app, shared=False, name="edge.ignored")
+    @singleton_task(app=app, shared=False, name="edge.ignored", acks_late=True)
     def job() -> None:
         raise Ignore()
 

@@ -19,6 +19,7 @@ from celery_redlock.keeper import LockKeeper
 from celery_redlock.nodes import Endpoint
 from celery_redlock.owner import Owner, claim_prefix, lock_value, owner_text_of, run_prefix
 from celery_redlock.redlock import Acquired, Contended, Held, Unavailable
+from celery_redlock.scripts import FENCE_AFTER_RELEASE_MILLISECONDS
 from celery_redlock.testing import RedisNodes, RedisServer
 
 # -- error replies are not votes ----------------------------------------------------------------
@@ -143,6 +144,24 @@ def test_the_fencing_counter_is_never_shortened(one_node: RedisNodes) -> None:
     assert later is not None
     assert later.fencing_token > lock.fencing_token
     dlm.release(later)
+
+
+def test_a_released_lock_leaves_its_fencing_counter_one_second(one_node: RedisNodes) -> None:
+    server = one_node[0]
+    dlm = Redlock(one_node.urls, node_timeout=0.5)
+    lock = dlm.acquire("fenced", ttl=30.0)
+    assert lock is not None
+    fence = lock.key + ":fence"
+    assert pttl_on(server, fence) > 29_000
+    assert dlm.release(lock) is True
+    assert 0 < pttl_on(server, fence) <= FENCE_AFTER_RELEASE_MILLISECONDS
+    later = dlm.acquire("fenced", ttl=30.0)  # within the second: the counter orders the tokens
+    assert later is not None
+    assert later.fencing_token > lock.fencing_token
+    dlm.release(later)
+    with server.client() as client:  # nothing of a finished run stays on the node
+        assert wait_until(lambda: not client.exists(fence), timeout=3.0, interval=0.05)
+        assert client.keys("*fenced*") == []
 
 
 def test_a_hold_keeps_the_lock_exactly_that_long(one_node: RedisNodes) -> None:
