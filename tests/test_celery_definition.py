@@ -335,6 +335,26 @@ def test_base_must_be_a_singleton_task() -> None:
 # -- settings ----------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize(
+    ("conf", "expected"),
+    [
+        ({}, 3600.0),  # kombu's default visibility_timeout (Redis, SQS)
+        ({"broker_transport_options": {"visibility_timeout": 600}}, 600.0),
+        ({"broker_transport_options": {"visibility_timeout": 0}}, 3600.0),
+        ({"broker_transport_options": {"polling_interval": 1}}, 3600.0),
+        (
+            {"broker_transport_options": {"visibility_timeout": 600}, "redlock_completed_ttl": 90},
+            90,
+        ),
+    ],
+)
+def test_completion_records_live_the_brokers_redelivery_window(
+    conf: dict[str, Any], expected: float
+) -> None:
+    settings = RedlockSettings.from_conf({"redlock_urls": ["redis://127.0.0.1:1/0"], **conf})
+    assert settings.completed_ttl == expected
+
+
 def test_lock_urls_default_to_a_redis_broker(broker: RedisServer) -> None:
     app = make_app(broker, lock_nodes=None)
     assert RedlockSettings.from_conf(app.conf).urls == (broker.url,)
