@@ -8,7 +8,8 @@ Run from the repository root::
     python benchmarks/bench_topology.py --processes 8 --threads 2 --json results.json
 
 Every server is a fresh process on a free port of 127.0.0.1, started through
-``celery_redlock.testing`` (never a Redis you already run) and stopped at the end, also on
+``celery_redlock.testing`` and, for Cluster, Sentinel and TLS, the repository's test helpers
+(``tests/topologies/``) (never a Redis you already run), and stopped at the end, also on
 Ctrl-C, SIGTERM and errors. In one run:
 
 * **throughput** (issue 16's closing figure): ``--processes`` client processes (4; each a
@@ -64,6 +65,9 @@ from pathlib import Path
 from typing import Any
 
 from benchmark_support import cpu_model, interrupt_on_sigterm, percentile, server_version
+
+# Redis Cluster, Sentinel and TLS set-ups are the tests' helpers (tests/topologies/), not shipped.
+sys.path.append(str(Path(__file__).resolve().parent.parent / "tests"))
 
 LOCK_TTL = 10.0  # seconds
 STANDALONE = "1 standalone node"
@@ -421,7 +425,9 @@ class Deployment:
 
 def throughput_servers(deployment: Deployment, log: Callable[[str], None]) -> None:
     """The standalone nodes and the 3-master cluster."""
-    from celery_redlock.testing import RedisCluster, RedisNodes
+    from topologies import RedisCluster
+
+    from celery_redlock.testing import RedisNodes
 
     deployment.start("standalone", lambda: RedisNodes(3), log)
     deployment.start("cluster", lambda: RedisCluster(masters=3), log)
@@ -429,13 +435,9 @@ def throughput_servers(deployment: Deployment, log: Callable[[str], None]) -> No
 
 def latency_servers(deployment: Deployment, log: Callable[[str], None]) -> None:
     """The cluster with replicas, the sentinel group, the TLS server and the Valkey server."""
-    from celery_redlock.testing import (
-        RedisCluster,
-        RedisServer,
-        SentinelGroup,
-        TLSCertificates,
-        ValkeyServer,
-    )
+    from topologies import RedisCluster, SentinelGroup, TLSCertificates, TopologyServer
+
+    from celery_redlock.testing import ValkeyServer
 
     deployment.start(
         "cluster with replicas", lambda: RedisCluster(masters=3, replicas_per_master=1), log
@@ -443,7 +445,7 @@ def latency_servers(deployment: Deployment, log: Callable[[str], None]) -> None:
     deployment.start("sentinel", lambda: SentinelGroup(replicas=1), log)
     certificates = deployment.start("certificates", TLSCertificates.create, log)
     if certificates is not None:
-        deployment.start("tls", lambda: RedisServer(tls=certificates), log)
+        deployment.start("tls", lambda: TopologyServer(tls=certificates), log)
     deployment.start("valkey", ValkeyServer, log)
 
 

@@ -41,6 +41,7 @@ from cli_app import create_app
 from cli_support import FAST, invoke
 from env_cli_app import run_redlock_command
 from redlock_support import wait_until
+from topologies import RedisCluster
 
 from celery_redlock import Redlock, admin, keyspace, singleton_task
 from celery_redlock.beat import LeaderScheduler
@@ -48,7 +49,6 @@ from celery_redlock.outcomes import Acquired, Covered, Record, new_token
 from celery_redlock.owner import Owner
 from celery_redlock.settings import RedlockSettings
 from celery_redlock.testing import (
-    RedisCluster,
     RedisNodes,
     RedisServer,
     find_redis_server,

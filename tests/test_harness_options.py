@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from topologies import TLSCertificates
 
 from celery_redlock.testing import (
     CeleryBeat,
@@ -17,7 +18,6 @@ from celery_redlock.testing import (
     CeleryWorker,
     ManagedProcess,
     RedisServer,
-    TLSCertificates,
 )
 
 _APP_MODULE = """\

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import redis
 from redlock_support import wait_until
+from topologies.servers import free_port
 
 from celery_redlock.testing import (
     ManagedProcess,
     ProcessExitedError,
     RedisServer,
-    free_port,
     stop_processes,
 )
 

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import redis
 from redlock_support import wait_until
+from topologies import TLSCertificates, TopologyServer
 
 from celery_redlock.testing import (
     VALKEY_SERVER_ENVIRONMENT_VARIABLE,
     RedisNodes,
     RedisServer,
-    TLSCertificates,
     ValkeyServer,
     find_valkey_server,
 )
@@ -31,7 +31,7 @@ def certificates() -> Iterator[TLSCertificates]:
 @pytest.fixture(scope="module")
 def tls_server(certificates: TLSCertificates) -> Iterator[RedisServer]:
     """A TLS-only server that requires client certificates (the server's default)."""
-    with RedisServer(tls=certificates) as server:
+    with TopologyServer(tls=certificates) as server:
         yield server
 
 
@@ -91,13 +91,13 @@ def test_tls_server_requires_a_client_certificate_unless_told_otherwise(
         pytest.raises(redis.ConnectionError),
     ):
         client.ping()
-    relaxed = RedisServer(tls=certificates, tls_auth_clients=False)
+    relaxed = TopologyServer(tls=certificates, tls_auth_clients=False)
     with relaxed, redis.Redis.from_url(relaxed.tls_url(client=False), socket_timeout=5) as client:
         assert client.ping() is True
 
 
 def test_a_plain_server_has_no_tls_url() -> None:
-    server = RedisServer(port=6390)
+    server = TopologyServer(port=6390)
     with pytest.raises(RuntimeError, match="serves no TLS"):
         server.tls_url()
 
@@ -157,7 +157,7 @@ def test_apply_acl_runs_one_line_on_a_running_server() -> None:
 
 
 def test_a_replica_follows_its_master() -> None:
-    with RedisServer(password="pw") as master, RedisServer(replica_of=master) as replica:
+    with RedisServer(password="pw") as master, TopologyServer(replica_of=master) as replica:
         assert replica.role() == "slave"
         with master.client() as client:
             client.set("replicated", "yes")

@@ -7,8 +7,9 @@ from collections.abc import Iterator
 
 import pytest
 import redis
+from topologies import RedisCluster, SentinelGroup
 
-from celery_redlock.testing import RedisCluster, RedisServer, SentinelGroup
+from celery_redlock.testing import RedisServer
 
 pytestmark = pytest.mark.topology
 

@@ -26,10 +26,11 @@ from cli_app import create_app
 from cli_support import FAST, invoke
 from env_cli_app import run_redlock_command
 from redlock_support import wait_until
+from topologies import TLSCertificates, TopologyServer
 
 from celery_redlock import QuorumUnavailable, Redlock, admin, singleton_task
 from celery_redlock.outcomes import Unavailable
-from celery_redlock.testing import RedisServer, TLSCertificates
+from celery_redlock.testing import RedisServer
 
 NODE_TIMEOUT = 0.5
 # An error must come within about node_timeout: generous for a busy machine, far below a hang.
@@ -50,7 +51,7 @@ def start_tls_servers(certificates: TLSCertificates, client_certificates: bool) 
     try:
         for _ in range(3):
             servers.append(
-                RedisServer(tls=certificates, tls_auth_clients=client_certificates).start()
+                TopologyServer(tls=certificates, tls_auth_clients=client_certificates).start()
             )
     except BaseException:
         for server in servers:

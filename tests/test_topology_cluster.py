@@ -21,6 +21,7 @@ from celery import Celery
 from celery_apps.support import RunLog, embedded_worker, make_app
 from cli_support import as_json, invoke
 from redlock_support import run_together, value_on, wait_until
+from topologies import RedisCluster, SlotMigration
 from topology_support import Rival, lock_managers, unique
 
 from celery_redlock import (
@@ -34,8 +35,7 @@ from celery_redlock import (
 )
 from celery_redlock.outcomes import Acquired, Held, Lock, Unavailable
 from celery_redlock.settings import RedlockSettings
-from celery_redlock.testing import RedisCluster, RedisServer
-from celery_redlock.testing.slot_migration import SlotMigration
+from celery_redlock.testing import RedisServer
 
 pytestmark = pytest.mark.topology
 pytest_plugins = ["celery_apps.fixtures"]

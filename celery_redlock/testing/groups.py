@@ -1,5 +1,5 @@
 """Groups of servers started and stopped together: `ServerGroup`, and `RedisNodes`, several
-independent Redis masters, the setup Redlock expects (not Redis Cluster: see `RedisCluster`)."""
+independent Redis masters, the setup Redlock expects (not Redis Cluster)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from typing import TypeVar
 from .processes import stop_processes
 from .redis_servers import RedisServer
 from .resources import ClosingResource
-from .tls import TLSCertificates
 
 __all__ = ["RedisNodes", "ServerGroup"]
 
@@ -108,7 +107,6 @@ class RedisNodes(ServerGroup):
         password: a password every node requires; each URL carries it.
         executable: the server binary; by default :func:`find_redis_server` (give
             :func:`find_valkey_server`'s for Valkey nodes).
-        tls: certificates every node serves TLS with (see :class:`RedisServer`).
     """
 
     def __init__(
@@ -118,15 +116,12 @@ class RedisNodes(ServerGroup):
         extra_args: Sequence[str] = (),
         password: str | None = None,
         executable: str | None = None,
-        tls: TLSCertificates | None = None,
     ) -> None:
         if count < 1:
             raise ValueError(f"count must be at least 1, got {count}")
         super().__init__(
             [
-                RedisServer(
-                    extra_args=extra_args, password=password, executable=executable, tls=tls
-                )
+                RedisServer(extra_args=extra_args, password=password, executable=executable)
                 for _ in range(count)
             ]
         )

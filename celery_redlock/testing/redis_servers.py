@@ -29,12 +29,8 @@ from ..nodes import OwnPoolClient
 from .binaries import find_redis_server, find_valkey_server
 from .ports import HOST, free_port
 from .processes import ManagedProcess
-from .tls import TLSCertificates
 
-__all__ = ["CLUSTER_BUS_PORT_OFFSET", "RedisServer", "ValkeyServer"]
-
-CLUSTER_BUS_PORT_OFFSET = 10000
-"""A cluster node listens for the other nodes on its port plus this."""
+__all__ = ["RedisServer", "ValkeyServer"]
 
 _PORT_ATTEMPTS = 5
 _POLL_INTERVAL = 0.01
@@ -65,16 +61,8 @@ class RedisServer(ManagedProcess):
             carries it.
         executable: the server binary; by default :func:`find_redis_server`.
         startup_timeout: the longest :meth:`start` waits for the server to answer, in seconds.
-        tls: certificates (`TLSCertificates`) to serve TLS only: ``--tls-port`` on
-            :attr:`port` and ``--port 0``; :attr:`url` is then a ``rediss://`` URL.
-        tls_auth_clients: with ``tls``, whether clients must present a certificate signed by
-            the authority (``--tls-auth-clients yes|no``); ``None``: the server's default (yes).
         acl_lines: ``ACL SETUSER ...`` lines (as typed in ``redis-cli``) run on the server each
             time it has started, so a restarted server has the same users.
-        cluster_enabled: run as a Redis Cluster node (``--cluster-enabled yes``), on a port
-            whose cluster bus port (plus 10000) is free too. `RedisCluster` joins such nodes.
-        replica_of: start as a replica of that (started) server (``--replicaof``, with
-            ``--masterauth`` its password), at every start.
     """
 
     def __init__(
@@ -85,11 +73,7 @@ class RedisServer(ManagedProcess):
         password: str | None = None,
         executable: str | None = None,
         startup_timeout: float = 10.0,
-        tls: TLSCertificates | None = None,
-        tls_auth_clients: bool | None = None,
         acl_lines: Sequence[str] = (),
-        cluster_enabled: bool = False,
-        replica_of: RedisServer | None = None,
     ) -> None:
         if isinstance(extra_args, str) or isinstance(acl_lines, str):
             raise TypeError("extra_args and acl_lines must be sequences, not one string")
@@ -106,11 +90,7 @@ class RedisServer(ManagedProcess):
         self._password = password
         self._executable = executable
         self._startup_timeout = startup_timeout
-        self._tls = tls
-        self._tls_auth_clients = tls_auth_clients
         self._acl_lines = tuple(acl_lines)
-        self._cluster_enabled = cluster_enabled
-        self._replica_of = replica_of
         self._directory: Path | None = None
 
     # -- identity -------------------------------------------------------------------------
@@ -122,7 +102,7 @@ class RedisServer(ManagedProcess):
 
     @property
     def port(self) -> int:
-        """The TCP port (the TLS port of a TLS server); fixed by the first successful
+        """The TCP port; fixed by the first successful
         :meth:`start` and kept by restarts.
 
         Raises:
@@ -143,53 +123,30 @@ class RedisServer(ManagedProcess):
         return self._password
 
     @property
-    def tls(self) -> TLSCertificates | None:
-        """The certificates of a TLS server, ``None`` for a plain one."""
-        return self._tls
-
-    @property
     def url(self) -> str:
-        """``redis://127.0.0.1:PORT/0``, with ``:PASSWORD@`` when a password is set; for a TLS
-        server the ``rediss://`` URL of :meth:`tls_url`."""
-        if self._tls is not None:
-            return self.tls_url()
+        """``redis://127.0.0.1:PORT/0``, with ``:PASSWORD@`` when a password is set."""
         return self.user_url(None, self._password)
 
     def user_url(self, username: str | None, password: str | None) -> str:
         """The server's URL logging in as ``username`` with ``password`` (an ACL user; ``None``
-        for the default user), ``rediss://`` with the certificate options for a TLS server."""
+        for the default user)."""
         credentials = ""
         if username is not None or password is not None:
             user = quote(username or "", safe="")
             secret = "" if password is None else f":{quote(password, safe='')}"
             credentials = f"{user}{secret}@"
-        if self._tls is None:
-            return f"redis://{credentials}{HOST}:{self.port}/0"
-        return f"rediss://{credentials}{HOST}:{self.port}/0?{self._tls.url_options()}"
-
-    def tls_url(self, *, ca_certificate: Path | None = None, client: bool = True) -> str:
-        """The ``rediss://`` URL of a TLS server: ``ssl_ca_certs`` the authority (or
-        ``ca_certificate``, say `TLSCertificates.unrelated_ca_certificate`) and, with
-        ``client``, ``ssl_certfile`` and ``ssl_keyfile`` the client certificate.
-
-        Raises:
-            RuntimeError: the server does not serve TLS.
-        """
-        if self._tls is None:
-            raise RuntimeError(f"{self!r} serves no TLS: give it tls=TLSCertificates.create()")
-        credentials = "" if self._password is None else f":{quote(self._password, safe='')}@"
-        options = self._tls.url_options(ca_certificate=ca_certificate, client=client)
-        return f"rediss://{credentials}{HOST}:{self.port}/0?{options}"
+        return f"redis://{credentials}{HOST}:{self.port}/0"
 
     def client(self, **options: Any) -> redis.Redis:
-        """A new redis-py client for this server; ``options`` go to :class:`redis.Redis`.
-
-        Unless ``options`` say otherwise, the client sends the server's password, speaks TLS
-        with the harness certificates to a TLS server, and does not retry failed commands
-        (redis-py retries three times by default), so a paused or killed server fails a command
-        at once instead of after several attempts.
-        """
+        """A new redis-py client for this server; ``options`` go to :class:`redis.Redis`, over
+        :meth:`connection_options`."""
         return self._client_on(self.port, **options)
+
+    def connection_options(self) -> dict[str, Any]:
+        """What every client of the server gets unless told otherwise: the server's password,
+        and no retry of failed commands (redis-py retries three times by default), so a paused
+        or killed server fails a command at once. Kinds of server add their own."""
+        return {"password": self._password, "retry": Retry(NoBackoff(), 0)}
 
     def role(self) -> str:
         """What the server says it is now (``ROLE``): ``master``, ``slave`` or ``sentinel``."""
@@ -203,37 +160,23 @@ class RedisServer(ManagedProcess):
         """The binary to run when none was given: :func:`find_redis_server`."""
         return find_redis_server()
 
+    def pick_port(self) -> int:
+        """The port a start tries when none is known yet: :func:`free_port`. Kinds of server
+        that need more (a cluster node, its bus port free too) override it."""
+        return free_port()
+
     def server_arguments(self, port: int, directory: Path) -> list[str]:
         """The command line after the binary for a run on ``port`` in ``directory``: the
-        harness's options, then the TLS, cluster and password options, then ``extra_args``.
-        Kinds of server override it to add their own."""
-        port_options = ["--port", str(port)]
-        if self._tls is not None:
-            port_options = ["--port", "0", "--tls-port", str(port)]
-            port_options += ["--tls-cert-file", str(self._tls.server_certificate)]
-            port_options += ["--tls-key-file", str(self._tls.server_key)]
-            port_options += ["--tls-ca-cert-file", str(self._tls.ca_certificate)]
-            # What the server presents when it connects out (as a replica, a cluster node).
-            port_options += ["--tls-client-cert-file", str(self._tls.client_certificate)]
-            port_options += ["--tls-client-key-file", str(self._tls.client_key)]
-            if self._tls_auth_clients is not None:
-                port_options += ["--tls-auth-clients", "yes" if self._tls_auth_clients else "no"]
+        harness's options, then the password, then ``extra_args``. Kinds of server override it
+        to add their own."""
         arguments = [
-            *port_options,
-            *("--bind", HOST, "--protected-mode", "no", "--daemonize", "no"),
-            *("--save", "", "--appendonly", "no", "--dir", str(directory), "--logfile", ""),
+            *("--port", str(port), "--bind", HOST, "--protected-mode", "no"),
+            *("--daemonize", "no", "--save", "", "--appendonly", "no"),
+            *("--dir", str(directory), "--logfile", ""),
             *("--repl-diskless-sync-delay", "0"),  # a replica syncs at once, not after 5 s
         ]
-        if self._cluster_enabled:
-            arguments += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
         if self._password is not None:
             arguments += ["--requirepass", self._password]
-        if self._replica_of is not None:
-            arguments += ["--replicaof", HOST, str(self._replica_of.port)]
-            if self._replica_of.password is not None:
-                arguments += ["--masterauth", self._replica_of.password]
-            if self._replica_of.tls is not None:
-                arguments += ["--tls-replication", "yes"]
         return [*arguments, *self._extra_args]
 
     def start(self: _ServerT) -> _ServerT:
@@ -257,7 +200,7 @@ class RedisServer(ManagedProcess):
         executable = self._executable or self.find_executable()
         attempts = 1 if self._port is not None else _PORT_ATTEMPTS
         for attempt in range(1, attempts + 1):
-            port = self._port if self._port is not None else self._pick_port()
+            port = self._port if self._port is not None else self.pick_port()
             try:
                 self._launch(executable, port)
             except _PortInUseError as error:
@@ -311,18 +254,8 @@ class RedisServer(ManagedProcess):
 
     # -- internals ------------------------------------------------------------------------
 
-    def _pick_port(self) -> int:
-        if self._cluster_enabled:
-            return free_port(also_free_at_offset=CLUSTER_BUS_PORT_OFFSET)
-        return free_port()
-
     def _client_on(self, port: int, **options: Any) -> redis.Redis:
-        options.setdefault("password", self._password)
-        options.setdefault("retry", Retry(NoBackoff(), 0))
-        if self._tls is not None:
-            for name, value in self._tls.client_options().items():
-                options.setdefault(name, value)
-        return OwnPoolClient(host=HOST, port=port, **options)
+        return OwnPoolClient(host=HOST, port=port, **{**self.connection_options(), **options})
 
     def _launch(self, executable: str, port: int) -> None:
         """Start one process on ``port`` and wait for it; clean up fully if it fails."""

@@ -1,7 +1,7 @@
-"""`ClosingResource`: the one ``with``-block behaviour of the harness's processes, server groups
-and certificates. Leaving the block calls the resource's :meth:`~ClosingResource.close`, whatever
-happened in the block; each kind of resource says what closing it means (a process is killed, a
-server stopped, a group stopped, certificate files deleted).
+"""`ClosingResource`: the one ``with``-block behaviour of the harness's processes and server
+groups. Leaving the block calls the resource's :meth:`~ClosingResource.close`, whatever happened in
+the block; each kind of resource says what closing it means (a process is killed, a server
+stopped, a group stopped).
 """
 
 from __future__ import annotations

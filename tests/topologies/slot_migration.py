@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from .ports import HOST
-from .redis_servers import RedisServer
+from celery_redlock.testing import RedisServer
+from celery_redlock.testing.ports import HOST
 
 __all__ = ["ClusterControl", "SlotMigration"]
 

@@ -4,9 +4,9 @@ second, unrelated authority for "wrong CA" tests.
 
 Example::
 
-    from celery_redlock.testing import RedisServer, TLSCertificates
+    from topologies import TLSCertificates, TopologyServer
 
-    with TLSCertificates.create() as certificates, RedisServer(tls=certificates) as server:
+    with TLSCertificates.create() as certificates, TopologyServer(tls=certificates) as server:
         Redlock([server.url])                        # rediss://...?ssl_ca_certs=...
         server.tls_url(ca_certificate=certificates.unrelated_ca_certificate)  # refused
 """
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
 
-from .resources import ClosingResource
+from celery_redlock.testing.resources import ClosingResource
 
 __all__ = ["TLSCertificates"]
 
