@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-__all__ = ["ExitingProcess", "exit_descriptor", "wait_for_exits"]
+__all__ = ["ExitingProcess", "wait_for_exits"]
 
 _HURRY_CHECK_INTERVAL = 0.05  # how often a wait asks `hurry`
 _EXIT_POLL_INTERVAL = 0.01  # without pidfd (not Linux): how often exits are polled
@@ -28,7 +28,7 @@ class ExitingProcess(Protocol):
         """The exit status, read without reaping; None while it runs."""
 
 
-def exit_descriptor(process: subprocess.Popen[bytes]) -> int | None:
+def _exit_descriptor(process: subprocess.Popen[bytes]) -> int | None:
     """A descriptor that becomes readable when the unreaped ``process`` exits (a Linux pidfd;
     the caller closes it), or None where there is none or the process was reaped."""
     pidfd_open: Callable[[int], int] | None = getattr(os, "pidfd_open", None)
@@ -57,7 +57,7 @@ def wait_for_exits(
     try:
         for index, process in enumerate(processes):
             if process.process is not None:
-                descriptor = exit_descriptor(process.process)
+                descriptor = _exit_descriptor(process.process)
                 if descriptor is not None:
                     descriptors[index] = descriptor
         while True:

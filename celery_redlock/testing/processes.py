@@ -199,11 +199,6 @@ class ManagedProcess(ClosingResource):
         """Whether the process runs and is not paused: it can answer."""
         return self.is_running and not self._paused
 
-    @property
-    def has_own_process_group(self) -> bool:
-        """Whether the process runs in a session and process group of its own."""
-        return self._own_process_group
-
     def reconfigure(
         self,
         *,
