@@ -5,6 +5,7 @@ Run from the repository root::
     python benchmarks/bench_concurrency.py                    # defaults: about two minutes
     python benchmarks/bench_concurrency.py --rounds 3 --seconds 1
     python benchmarks/bench_concurrency.py --variant new=/path/to/celery_redlock
+    python benchmarks/bench_concurrency.py --processes 1,2,4,8
     python benchmarks/bench_concurrency.py --json results.json
 
 Five fresh ``redis-server`` processes are started on free ports of 127.0.0.1 through
@@ -18,6 +19,10 @@ Ctrl-C, SIGTERM and errors. Measured, for each library below:
 * **gevent**: a subprocess that monkey-patches first (``from gevent import monkey;
   monkey.patch_all()`` before any other import), then runs 500 greenlets doing the same for
   ``--seconds``; a fresh subprocess in every round;
+* **processes** (``--processes N``, or a list: ``--processes 1,2,4,8``): N processes, each with
+  the threads it measures (1 and 50) and a client of its own, timed over the same window; a
+  row per process count, with the pairs/s of all N together and the CPU time of all N per call.
+  Fresh subprocesses in every round: each warms up, then all start their timed run at once;
 * **connections**: a subprocess whose 100 threads each use the lock once, and stay alive; then
   ``CLIENT LIST`` on every node, counting the connections whose client end belongs to that
   process (matched through ``/proc``). The gevent subprocesses are counted the same way after
@@ -43,7 +48,8 @@ the min - max. A call counts only when it succeeded (acquired, and the release c
 anything else is counted and shown as a failure, never as throughput.
 
 The report is Markdown: the throughput table, the connections table, and PASS/MISS lines for the
-goals of issue 17 (50 threads >= 2.5x 1 thread with 1 and with 5 nodes; celery_redlock at 50
+goals of issues 17 and 23 (50 threads >= 2.5x 1 thread with 1 and with 5 nodes; client CPU per
+call at 50 threads no more than at 1 thread, with 1 and with 5 nodes; celery_redlock at 50
 threads >= 2.5x redis-py's Lock at 50 threads; at most 4 connections per node with 100 live
 threads, and with 500 greenlets). It always exits 0: it is a report, not a test.
 """
@@ -519,6 +525,113 @@ class GeventCase:
         """Nothing: each run's subprocess is gone when the run returns."""
 
 
+def start_child(arguments: list[str], errors: Any) -> subprocess.Popen[str]:
+    """This script as a subprocess (``--child``), talking over its standard input and output."""
+    return subprocess.Popen(
+        [sys.executable, os.path.abspath(__file__), *arguments],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=errors,
+        text=True,
+    )
+
+
+def run_children_together(argument_lists: Sequence[list[str]], timeout: float) -> list[ChildReport]:
+    """Run one subprocess (``--child ... --start-on-go``) per argument list; once every one has
+    warmed up, start their timed runs at the same moment, and collect their reports."""
+    with contextlib.ExitStack() as stack:
+        errors = stack.enter_context(tempfile.TemporaryFile(mode="w+", encoding="utf-8"))
+        children = [
+            stack.enter_context(start_child([*arguments, "--start-on-go"], errors))
+            for arguments in argument_lists
+        ]
+        try:
+            deadline = time.monotonic() + timeout
+            for child in children:  # every one warmed up and waiting
+                if not _read_line(child, max(deadline - time.monotonic(), 0.0)):
+                    errors.seek(0)
+                    raise RuntimeError(f"a subprocess never got ready:\n{errors.read()[-3000:]}")
+            for child in children:
+                assert child.stdin is not None
+                child.stdin.write("go\n")
+                child.stdin.flush()
+            lines = [_read_line(child, max(deadline - time.monotonic(), 0.0)) for child in children]
+            if not all(lines):
+                errors.seek(0)
+                raise RuntimeError(f"a subprocess reported nothing:\n{errors.read()[-3000:]}")
+            for child in children:
+                assert child.stdin is not None
+                child.stdin.write("done\n")
+                child.stdin.flush()
+            for child in children:
+                child.wait(timeout=30)
+        finally:
+            for child in children:
+                if child.poll() is None:
+                    child.kill()
+                    child.wait()
+    reports = []
+    for line in lines:
+        report = json.loads(line)
+        sample = Sample(Counter(report["outcomes"]), report["seconds"], report["cpu_seconds"])
+        reports.append(ChildReport(sample, report["source"]))
+    return reports
+
+
+@dataclass
+class ProcessCase:
+    """``processes`` fresh subprocesses per run, each with ``threads`` threads sharing a client
+    of its own, timed over the same window: what a host running several worker processes gets."""
+
+    library: Library
+    nodes: int
+    processes: int
+    threads: int
+    urls: list[str]
+    warmup_seconds: float
+    samples: list[Sample] = field(default_factory=list)
+    source: str = ""
+
+    @property
+    def mode(self) -> str:
+        """How it runs, for the report."""
+        processes = f"{self.processes} process{'es' if self.processes > 1 else ''}"
+        return f"{processes} x {self.threads} thread{'s' if self.threads > 1 else ''}"
+
+    def warm_up(self) -> None:
+        """Nothing: every run's subprocesses warm up before their timed run."""
+
+    def run(self, seconds: float) -> Sample:
+        """One run of every subprocess at once: the pairs of all of them over the longest of
+        their timed runs, and the CPU time of all of them."""
+        arguments = [
+            "--child",
+            "threads",
+            *self.library.child_arguments(),
+            "--urls",
+            ",".join(self.urls[: self.nodes]),
+            "--workers",
+            str(self.threads),
+            "--seconds",
+            str(seconds),
+            "--warmup-seconds",
+            str(self.warmup_seconds),
+        ]
+        reports = run_children_together(
+            [arguments] * self.processes, seconds + self.warmup_seconds + CHILD_TIMEOUT
+        )
+        self.source = reports[0].source
+        samples = [report.sample for report in reports]
+        return Sample(
+            sum((sample.outcomes for sample in samples), Counter()),
+            max(sample.seconds for sample in samples),
+            sum(sample.cpu_seconds for sample in samples),
+        )
+
+    def close(self) -> None:
+        """Nothing: each run's subprocesses are gone when the run returns."""
+
+
 def measure(cases: Sequence[Case], rounds: int, seconds: float) -> None:
     """Warm every case up, then ``rounds`` rounds of every case once, rotated every round."""
     began = time.monotonic()
@@ -644,6 +757,10 @@ def child_main(options: argparse.Namespace) -> int:
         for thread in spawned:
             thread.start()
     all_warm.wait()
+    if options.start_on_go:  # several processes start their timed runs at the same moment
+        sys.stdout.write("ready\n")
+        sys.stdout.flush()
+        sys.stdin.readline()
     gc.collect()
     cpu_started = time.process_time()
     started = time.perf_counter()
@@ -680,7 +797,7 @@ def median_rate(case: Case) -> float:
 
 @dataclass
 class Goal:
-    """One goal of issue 17: a measured value against its limit."""
+    """One goal of issue 17 or 23: a measured value against its limit."""
 
     name: str
     value: float | None
@@ -719,6 +836,13 @@ class Results:
         case = self.find(library, nodes, mode)
         return median_rate(case) if case is not None and case.samples else None
 
+    def cpu_per_call(self, library: str, nodes: int, mode: str) -> float | None:
+        """That case's median client CPU microseconds per call, if measured."""
+        case = self.find(library, nodes, mode)
+        values = [] if case is None else [sample.cpu_us_per_call for sample in case.samples]
+        present = [value for value in values if value is not None]
+        return float(statistics.median(present)) if present else None
+
     def gevent_connections(self, case: Case) -> list[int] | None:
         """The most connections per node any round of a gevent case held."""
         counted = [sample.connections for sample in case.samples if sample.connections]
@@ -727,7 +851,7 @@ class Results:
         return [max(column) for column in zip(*counted, strict=True)]
 
     def goals(self) -> list[Goal]:
-        """The goals of issue 17, for every celery_redlock measured."""
+        """The goals of issues 17 and 23, for every celery_redlock measured."""
         goals: list[Goal] = []
         libraries = []
         for case in self.cases:
@@ -747,6 +871,19 @@ class Results:
                         fifty / one if fifty is not None and one else None,
                         CONCURRENCY_GOAL,
                         at_least=True,
+                        unit="x",
+                    )
+                )
+            for nodes in (1, NODES):
+                one_cpu = self.cpu_per_call(library, nodes, "1 thread")
+                fifty_cpu = self.cpu_per_call(library, nodes, "50 threads")
+                goals.append(
+                    Goal(
+                        f"{library}, {nodes} node{'s' if nodes > 1 else ''}: client CPU per "
+                        "call at 50 threads / at 1 thread <= 1x (issue 23)",
+                        fifty_cpu / one_cpu if fifty_cpu is not None and one_cpu else None,
+                        1.0,
+                        at_least=False,
                         unit="x",
                     )
                 )
@@ -856,7 +993,7 @@ def markdown(results: Results) -> str:
                 f"| {case.library.name} | {case.nodes} | {GREENLETS} greenlets after their "
                 f"timed run (most in any round) | {_counts(results.gevent_connections(case))} |"
             )
-    lines += ["", "Goals (issue 17):", ""]
+    lines += ["", "Goals (issues 17 and 23):", ""]
     for goal in results.goals():
         value = "n/a" if goal.value is None else f"{goal.value:.2f}{goal.unit}"
         if goal.value is not None and not goal.unit:
@@ -900,6 +1037,17 @@ def environment() -> dict[str, str]:
 # -- main ------------------------------------------------------------------------------------
 
 
+def process_counts(text: str) -> tuple[int, ...]:
+    """``--processes``: one count, or several separated by commas, each at least 1."""
+    try:
+        counts = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of process counts: {text!r}") from None
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"process counts must be at least 1: {text!r}")
+    return counts
+
+
 def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     """The command line."""
     parser = argparse.ArgumentParser(
@@ -914,6 +1062,15 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
         "--warmup-seconds", type=float, default=0.5, help="untimed seconds of calls per case first"
     )
     parser.add_argument("--no-gevent", action="store_true", help="skip the gevent subprocesses")
+    parser.add_argument(
+        "--processes",
+        type=process_counts,
+        default=(),
+        metavar="N[,N...]",
+        help="also run N processes at once, each with the threads of the thread cases (1 and 50) "
+        "and a client of its own, for each N given (e.g. 1,2,4,8): their pairs/s together and "
+        "their CPU per call",
+    )
     parser.add_argument(
         "--no-redis-py", action="store_true", help="skip redis-py's Lock (no ratios to it then)"
     )
@@ -936,6 +1093,7 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--package-directory", help=argparse.SUPPRESS)
     parser.add_argument("--urls", help=argparse.SUPPRESS)
     parser.add_argument("--workers", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--start-on-go", action="store_true", help=argparse.SUPPRESS)
     arguments = parser.parse_args(argv)
     if not arguments.child and (arguments.rounds < 1 or arguments.seconds <= 0):
         parser.error("--rounds must be at least 1 and --seconds positive")
@@ -985,6 +1143,13 @@ def run(arguments: argparse.Namespace) -> Results:
                     cases.append(
                         ThreadCase(library, nodes, threads, urls, arguments.warmup_seconds)
                     )
+                for processes in arguments.processes:
+                    for threads in THREAD_COUNTS:
+                        cases.append(
+                            ProcessCase(
+                                library, nodes, processes, threads, urls, arguments.warmup_seconds
+                            )
+                        )
                 if gevent_available and not arguments.no_gevent:
                     cases.append(
                         GeventCase(
@@ -1037,6 +1202,7 @@ def run(arguments: argparse.Namespace) -> Results:
         "lock_ttl_seconds": LOCK_TTL,
         "greenlets": GREENLETS,
         "live_threads": LIVE_THREADS,
+        "processes": list(arguments.processes),
     }
     return Results(cases, connections, env, settings, notes)
 
