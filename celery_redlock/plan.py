@@ -4,9 +4,8 @@ app's settings once per task (`TaskPlan`): what does not change from one run to 
 from __future__ import annotations
 
 import inspect
-import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from .errors import ConfigurationError
@@ -43,11 +42,7 @@ PLAN_ATTRIBUTE = "_celery_redlock_plan"
 
 @dataclass(frozen=True)
 class TaskPlan:
-    """A task's lock options with the app's settings filled in, computed once per task.
-
-    ``direct_runs`` holds, per thread, the run of a plain function call of the task (outside a
-    worker), where Celery's request has no room for it.
-    """
+    """A task's lock options with the app's settings filled in, computed once per task."""
 
     runtime: AppRuntime
     recipe: KeyRecipe
@@ -61,7 +56,6 @@ class TaskPlan:
     soft_time_limit: float | None
     owner_texts: RunOwnerTexts
     replaces_claims: bool
-    direct_runs: threading.local = field(default_factory=threading.local, repr=False, compare=False)
 
     def resource(self, args: Sequence[Any], kwargs: dict[str, Any]) -> str:
         """The lock resource of one call (`LockKeyError` when it cannot be derived)."""

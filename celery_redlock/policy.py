@@ -16,7 +16,9 @@ The table, in words:
 - held by this run's predecessor (a retry or replacement of the holder's task id, or a task the
   holder sent): wait briefly for its release, then defer;
 - held by another call (a true duplicate): ``on_duplicate`` decides — "skip", "raise", "retry",
-  "coalesce", or "wait" (once per delivery; after that wait, "retry").
+  "coalesce", or "wait" (once per delivery; after that wait, "retry");
+- a plain function call (``task(...)``) has no message to publish again: where a delivery would
+  defer, retry, coalesce or wait for the nodes, it waits in its thread once, then raises.
 """
 
 from __future__ import annotations
@@ -75,7 +77,8 @@ _ON_DUPLICATE = {
 @dataclass(frozen=True)
 class Situation:
     """Everything a decision depends on. ``relation`` matters only when ``outcome`` is
-    ``"held"``; ``may_wait`` is False once the run has waited in its process."""
+    ``"held"``; ``may_wait`` is False once the run has waited in its process; ``can_publish``
+    is False for a plain function call (no message, no worker)."""
 
     outcome: str
     relation: str
@@ -83,10 +86,23 @@ class Situation:
     on_unavailable: str
     may_wait: bool
     eager: bool
+    can_publish: bool = True
+
+
+_PUBLISHING = frozenset({Action.DEFER, Action.RETRY, Action.COALESCE, Action.WAIT_FOR_NODES})
 
 
 def decide(situation: Situation) -> Action:
     """The action for ``situation`` (see the module docstring for the table in words)."""
+    action = _delivery_action(situation)
+    if situation.can_publish or action not in _PUBLISHING:
+        return action
+    if situation.may_wait and action is not Action.WAIT_FOR_NODES:
+        return Action.WAIT
+    return Action.RAISE
+
+
+def _delivery_action(situation: Situation) -> Action:
     outcome = situation.outcome
     if outcome == "acquired":
         return Action.RUN

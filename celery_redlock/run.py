@@ -1,5 +1,6 @@
-"""One delivery of a singleton task, top to bottom (`Run.execute`), in the worker, right before the
-body — so ``delay``, ``apply_async``, ``send_task``, beat, canvas and retries are all covered:
+"""One run of a singleton task, top to bottom (`Run.execute`), right before the body: a delivery in
+the worker — so ``delay``, ``apply_async``, ``send_task``, beat, canvas and retries are all covered
+— or a plain function call (``task(...)``), which has no message to publish again:
 
 1. the run's lock state (a fresh token, the owner text, the message's completion record) is
    registered on the request before any SET is sent, so that whatever interrupts the acquisition,
@@ -23,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from celery import states
@@ -86,6 +87,7 @@ class Run:
         self.request = request
         self.runtime = plan.runtime
         self.task_id: str | None = request.id
+        self.can_publish = not request.called_directly  # a plain call has no message
         self.attempt_rank = (request.replaced_task_nesting or 0, request.retries or 0)
         facts = events.worker_facts(task.app)
         worker = facts.name if facts is not None else request.hostname
@@ -107,21 +109,32 @@ class Run:
 
     # -- the run, top to bottom --------------------------------------------------------------
 
-    def execute(self, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
-        """Take the lock, run the body, release: the whole delivery (see the module docstring)."""
+    def execute(
+        self, args: Sequence[Any], kwargs: dict[str, Any], body: Callable[[], Any] | None = None
+    ) -> Any:
+        """Take the lock, run the body, release: the whole run (see the module docstring).
+        ``body`` runs the task (default: its ``run`` with ``args`` and ``kwargs``). A plain call
+        that skipped a duplicate returns None."""
+        if body is None:
+            run, body = self.task.run, lambda: run(*args, **kwargs)
         setattr(self.request, RUN_ATTRIBUTE, self)
         try:
             lock = self.take_lock()
-        except (Ignore, Reject, Retry, RedlockError):
+        except Ignore:
             self.forget()  # a decision: every round was released
+            if self.can_publish:
+                raise
+            return None  # a plain call skipped as a duplicate
+        except (Reject, Retry, RedlockError):
+            self.forget()
             raise
         if lock is None:  # on_unavailable="run": documented as unguarded
             self.forget()
-            return self.task.run(*args, **kwargs)
+            return body()
         self.hold_while_running(lock)
         state = states.FAILURE
         try:
-            result = self.task.run(*args, **kwargs)
+            result = body()
             state = states.SUCCESS
             return result
         except BaseException as error:
@@ -146,6 +159,7 @@ class Run:
                     self.plan.on_unavailable,
                     may_wait,
                     bool(self.request.is_eager),
+                    self.can_publish,
                 )
             )
             if action is Action.RUN:
@@ -216,8 +230,9 @@ class Run:
         )
 
     def hold_while_running(self, lock: Lock) -> None:
-        """Keep the acquired lock alive while the body runs (never past its hard time limit)."""
-        hard_limit = self.plan.time_limits(self.request)[0]
+        """Keep the acquired lock alive while the body runs (never past its hard time limit, which
+        only a worker enforces)."""
+        hard_limit = self.plan.time_limits(self.request)[0] if self.can_publish else None
         deadline = None if hard_limit is None else time.monotonic() + hard_limit
         task, task_id = self.task, self.task_id
 
@@ -408,7 +423,10 @@ class Run:
 
     def publish_again(self, countdown: float, headers: dict[str, Any] | None = None) -> float:
         """Publish this very message again to run after about ``countdown`` seconds (see
-        `celery_redlock.deferral.publish_again`); returns the countdown used."""
+        `celery_redlock.deferral.publish_again`); returns the countdown used. A run that goes on
+        after this (a pending coalesced run's insurance copy) records itself when its body ran,
+        so that the copy is acknowledged when it comes."""
+        self.writes_record = True
         return publish_again(self.task, self.request, countdown, headers)
 
     def skip(self, skipped: DuplicateSkipped) -> Ignore:
@@ -419,7 +437,7 @@ class Run:
         the one that fits, with `DuplicateSkipped` as the result ``AsyncResult.get()`` raises.
         """
         task, request = self.task, self.request
-        if request.is_eager:
+        if request.is_eager or not self.can_publish:
             return Ignore()
         with contextlib.suppress(NotImplementedError):  # no result backend configured
             if self.stores_results():

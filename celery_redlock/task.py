@@ -1,7 +1,7 @@
 """`SingletonTask` and `singleton_task`: Celery tasks that run at most once at a time per key.
 
-The task class holds the lock options and what users call; one delivery's run, top to bottom,
-is `celery_redlock.run.Run` (a plain function call: `celery_redlock.direct.DirectRun`).
+The task class holds the lock options and what users call; one run, top to bottom — a worker's
+delivery or a plain function call — is `celery_redlock.run.Run`.
 """
 
 from __future__ import annotations
@@ -15,13 +15,12 @@ from celery import Task, shared_task
 from celery.platforms import EX_FAILURE
 
 from . import enqueue, events, signals
-from .direct import DirectRun, current_run
 from .errors import ConfigurationError, RedlockError
 from .keys import LockKey
 from .outcomes import Lock
 from .plan import PLAN_ATTRIBUTE, TaskPlan, check_class_options, make_plan
 from .process_loss import LockAwareRequest
-from .run import Run
+from .run import RUN_ATTRIBUTE, Run
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +68,7 @@ class SingletonTask(Task):  # type: ignore[misc]
     @property
     def lock(self) -> Lock | None:
         """The `Lock` held by the current run, or None."""
-        run = current_run(self, self.lock_plan)
+        run: Run | None = getattr(self.request, RUN_ATTRIBUTE, None)
         return run.lock if run is not None and run.kept is not None else None
 
     def extend_lock(self, ttl: float | None = None) -> bool:
@@ -79,8 +78,8 @@ class SingletonTask(Task):  # type: ignore[misc]
         is still valid; raises `LockLost` when the lock is gone, so a long task can stop at its
         next step. Never extends past the run's hard time limit.
         """
-        run = current_run(self, self.lock_plan)
-        if run is None or run.kept is None or run.lock is None:
+        run: Run | None = getattr(self.request, RUN_ATTRIBUTE, None)
+        if run is None or run.kept is None:
             raise RedlockError(
                 f"{self.name}.extend_lock() was called outside a run that holds a lock; call it "
                 "from the task body (a bound task: bind=True) while the run holds its lock"
@@ -132,10 +131,17 @@ class SingletonTask(Task):  # type: ignore[misc]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         plan = self.lock_plan
-        if self.request.called_directly:
+        if not self.request.called_directly:
+            return Run(self, plan, self.request, plan.resource(args, kwargs)).execute(args, kwargs)
+        # A plain function call: a request of its own holds the run (Celery's default request
+        # is shared by threads), and Celery's own __call__ runs the body, which sees it.
+        self.push_request(args=args, kwargs=kwargs)
+        try:
+            run = Run(self, plan, self.request, plan.resource(args, kwargs))
             body = super().__call__
-            return DirectRun(self, plan).execute(args, kwargs, lambda: body(*args, **kwargs))
-        return Run(self, plan, self.request, plan.resource(args, kwargs)).execute(args, kwargs)
+            return run.execute(args, kwargs, lambda: body(*args, **kwargs))
+        finally:
+            self.pop_request()
 
 
 def singleton_task(*args: Any, app: Any = None, **options: Any) -> Any:

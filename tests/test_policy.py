@@ -3,6 +3,7 @@ Redis: a pure function of the outcome, the holder's relation and the task's poli
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -44,8 +45,11 @@ def check_lawful(situation: Situation, action: Action) -> None:
     if action is Action.WAIT:
         assert situation.may_wait  # one wait per delivery, then a fallback
     if situation.outcome == "held" and situation.relation != "other":
-        # A redelivered copy or a continuation is never treated as a duplicate.
-        assert action in (Action.DEFER, Action.WAIT)
+        # A redelivered copy or a continuation is never treated as a duplicate (a plain call,
+        # which cannot defer, fails loudly instead).
+        assert action in (Action.DEFER, Action.WAIT) or (
+            action is Action.RAISE and not situation.can_publish
+        )
 
 
 @pytest.mark.parametrize(
@@ -106,6 +110,24 @@ def test_no_quorum_follows_on_unavailable(
 def test_a_split_vote_waits_once_then_defers() -> None:
     assert decide(Situation("contended", "other", "skip", "retry", True, False)) is Action.WAIT
     assert decide(Situation("contended", "other", "skip", "retry", False, False)) is Action.DEFER
+
+
+@pytest.mark.parametrize("situation", EVERY_SITUATION)
+def test_a_plain_call_waits_once_then_raises_where_a_delivery_would_publish(
+    situation: Situation,
+) -> None:
+    # task(...) outside a worker: no message to defer, retry or insure. Everything else (run,
+    # skip a true duplicate, raise, run unguarded) is decided as for a delivery.
+    plain = dataclasses.replace(situation, can_publish=False)
+    delivery_action, action = decide(situation), decide(plain)
+    check_lawful(plain, action)
+    publishing = {Action.DEFER, Action.RETRY, Action.COALESCE, Action.WAIT_FOR_NODES}
+    if delivery_action not in publishing:
+        assert action is delivery_action
+    elif situation.may_wait and delivery_action is not Action.WAIT_FOR_NODES:
+        assert action is Action.WAIT
+    else:
+        assert action is Action.RAISE
 
 
 def test_an_unknown_outcome_is_a_programming_error() -> None:
