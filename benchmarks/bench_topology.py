@@ -30,7 +30,7 @@ Ctrl-C, SIGTERM and errors. In one run:
   a Valkey server. ``--latency-rounds`` rounds (10) of ``--pairs`` pairs (200) per case, in an
   order rotated every round; median and p99 over every successful pair.
 
-Every lock manager is built with ``Redlock.from_settings(RedlockSettings(urls=...,
+Every lock manager is built with ``from_settings(RedlockSettings(urls=...,
 node_timeout=..., wait_replicas=...))``; ``--node-timeout`` (0.5 s) is the per-node timeout,
 longer than the library's default (50 ms) so that a reply that is late only because the client
 did not get a CPU on a busy 2-CPU machine does not count as a failed node. Only successful pairs
@@ -92,12 +92,13 @@ def pair(manager: Any, name: str) -> str:
 
 def make_manager(urls: Sequence[str], node_timeout: float, wait_replicas: int = 0) -> Any:
     """A lock manager on ``urls`` from settings, as a Celery app's worker would build it."""
-    from celery_redlock import Redlock, RedlockSettings
+    from celery_redlock import RedlockSettings
+    from celery_redlock.redlock import from_settings
 
     settings = RedlockSettings(
         urls=tuple(urls), node_timeout=node_timeout, wait_replicas=wait_replicas
     )
-    return Redlock.from_settings(settings)
+    return from_settings(settings)
 
 
 def server_cpu_seconds(servers: Sequence[Any]) -> float:

@@ -21,6 +21,7 @@ from .outcomes import Acquired, Held, Lock, Outcome, Record, Unavailable
 from .owner import Owner
 from .plan import TaskPlan
 from .policy import relation_of
+from .redlock import reservation_of, reserve
 from .runtime import AppRuntime
 
 logger = logging.getLogger(__name__)
@@ -60,7 +61,7 @@ def coalesce(run: CoalescingRun, holder_text: str) -> Outcome:
     redlock = run.runtime.redlock
     lock, plan = run.lock, run.plan
     try:
-        pending = redlock.reservation_of(lock.resource)
+        pending = reservation_of(redlock, lock.resource)
     except QuorumUnavailable as error:
         return Unavailable(error)
     if pending is not None:
@@ -68,7 +69,7 @@ def coalesce(run: CoalescingRun, holder_text: str) -> Outcome:
     if run.request.is_eager:
         return run.attempt(wait=plan.wait)
     insured = insure(run, plan.ttl + 1.0)
-    reservation = redlock.reserve(lock.resource, plan.ttl, lock.owner, token=lock.token)
+    reservation = reserve(redlock, lock.resource, plan.ttl, lock.owner, token=lock.token)
     if not isinstance(reservation, Acquired):
         if isinstance(reservation, Held) and run.record is not None:
             # Another duplicate reserved first: merge into it, and record this attempt as

@@ -38,7 +38,7 @@ from . import keyspace
 from .errors import QuorumUnavailable, RedlockError
 from .outcomes import Lock
 from .owner import Owner
-from .redlock import Redlock
+from .redlock import check_ttl, from_settings, run_script
 from .replies import judge_text, judge_zero_or_one
 from .scripts import READ_BEAT_ENTRIES, RECORD_BEAT_ENTRIES
 from .settings import RedlockSettings
@@ -141,8 +141,8 @@ class LeaderMixin(Scheduler):  # type: ignore[misc]
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         app = kwargs["app"] if "app" in kwargs else args[0]
         settings = RedlockSettings.from_conf(app.conf)
-        redlock = Redlock.from_settings(settings)
-        redlock.check_ttl(settings.beat_lease_ttl, name="redlock_beat_lease_ttl")
+        redlock = from_settings(settings)
+        check_ttl(redlock, settings.beat_lease_ttl, name="redlock_beat_lease_ttl")
         self.lease_ttl = settings.beat_lease_ttl
         self.lease_name = settings.beat_lease_name
         self.lease_redlock_settings = settings
@@ -301,7 +301,7 @@ class LeaderMixin(Scheduler):  # type: ignore[misc]
     def _take_office(self, lease: Lock) -> bool:
         """Continue the schedule from the records, then record it under this lease."""
         redlock = self._leader_redlock
-        read = redlock.run_script(READ_BEAT_ENTRIES, (self.schedule_records_key,), (), judge_text)
+        read = run_script(redlock, READ_BEAT_ENTRIES, (self.schedule_records_key,), (), judge_text)
         if read.successes < redlock.quorum:
             self._give_up(lease, "the schedule records could not be read from a majority")
             return False
@@ -381,7 +381,8 @@ class LeaderMixin(Scheduler):  # type: ignore[misc]
                 self._leader_sequence,
             )
             arguments += [entry.name, record.to_text()]
-        result = self._leader_redlock.run_script(
+        result = run_script(
+            self._leader_redlock,
             RECORD_BEAT_ENTRIES,
             (lease.key, self.schedule_records_key),
             arguments,
@@ -433,7 +434,7 @@ class LeaderMixin(Scheduler):  # type: ignore[misc]
             return
         # close() runs in beat's SIGTERM handler, possibly in the middle of a round on this
         # scheduler's own connections: release over connections of its own.
-        redlock = Redlock.from_settings(self.lease_redlock_settings)
+        redlock = from_settings(self.lease_redlock_settings)
         try:
             released = redlock.release(lease)
         finally:

@@ -11,6 +11,7 @@ from typing import Any
 from .errors import ConfigurationError
 from .keys import KeyRecipe, LockKey, check_key_options, run_signature
 from .owner import RunOwnerTexts
+from .redlock import check_ttl
 from .runtime import AppRuntime
 from .settings import (
     DUPLICATE_POLICIES,
@@ -75,7 +76,7 @@ def make_plan(task: Any) -> TaskPlan:
     runtime = AppRuntime.for_app(task.app)
     settings = runtime.settings
     ttl = float(task.lock_ttl if task.lock_ttl is not None else settings.ttl)
-    runtime.redlock.check_ttl(ttl, name=f"lock_ttl of task {task.name!r}")
+    check_ttl(runtime.redlock, ttl, name=f"lock_ttl of task {task.name!r}")
     conf = task.app.conf
     return TaskPlan(
         runtime=runtime,

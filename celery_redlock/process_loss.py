@@ -18,6 +18,7 @@ from celery.worker.request import Request
 
 from .messages import stamp_received
 from .owner import run_prefix
+from .redlock import release_if_owner
 
 logger = logging.getLogger(__name__)
 
@@ -36,8 +37,8 @@ def free_lost_run(task: Any, task_id: str | None, args: Any, kwargs: Any, pid: i
     try:
         plan = task.lock_plan
         resource = plan.resource(args or (), kwargs or {})
-        freed = plan.runtime.redlock.release_if_owner(
-            resource, run_prefix(task_id, pid, socket.gethostname())
+        freed = release_if_owner(
+            plan.runtime.redlock, resource, run_prefix(task_id, pid, socket.gethostname())
         )
     except Exception as error:  # a lock_key callable can raise anything; Celery must go on
         logger.warning("could not free the lock of lost task %s[%s]: %s", task.name, task_id, error)

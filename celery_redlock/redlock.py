@@ -102,34 +102,19 @@ class Redlock:
         if warning:
             logger.warning(warning)
 
-    @classmethod
-    def from_settings(cls, settings: RedlockSettings, node_timeout: float | None = None) -> Redlock:
-        """The lock manager a Celery app's settings describe (optionally with another per-node
-        timeout, as operators' commands use). It does not log the even-node warning: a worker
-        logs that once, at start, and ``celery redlock status`` reports it."""
-        if node_timeout is not None:
-            settings = dataclasses.replace(settings, node_timeout=node_timeout)
-        redlock = cls.__new__(cls)
-        redlock._configure(settings)
-        return redlock
-
     def _configure(self, settings: RedlockSettings) -> None:
-        self.retry_count = settings.retry_count
-        self.retry_delay = float(settings.retry_delay)
-        self.clock_drift_factor = float(settings.clock_drift_factor)
-        self.node_timeout = float(settings.node_timeout)
-        self.key_prefix = settings.key_prefix
+        self._settings = settings
         members = members_from_urls(
             settings.urls,
-            self.node_timeout,
+            settings.node_timeout,
             settings.username,
             settings.password,
             settings.wait_replicas,
         )
-        self._group = NodeGroup(members, self.node_timeout)
+        self._group = NodeGroup(members, settings.node_timeout)
         self.quorum = self._group.quorum
         # 0.2 had no cluster nodes, and a script's keys must share a cluster node's hash slot.
-        self.legacy_layout = not any(isinstance(node, ClusterNode) for node in members)
+        self._legacy_layout = not any(isinstance(node, ClusterNode) for node in members)
         self._checked_ttl: float | None = None
 
     @property
@@ -137,37 +122,15 @@ class Redlock:
         """The configured lock nodes (``.name`` is the URL with its password redacted)."""
         return list(self._group.nodes)
 
-    @property
-    def node_names(self) -> list[str]:
-        """The configured nodes, passwords redacted."""
-        return [node.name for node in self._group.nodes]
-
     def key_for(self, resource: str) -> str:
         """The Redis key that locks ``resource`` (see `celery_redlock.keyspace`)."""
-        return keyspace.lock_key(self.key_prefix, resource)
-
-    def legacy_key_of(self, key: str) -> str | None:
-        """Where 0.2 workers lock what ``key`` locks (`keyspace.legacy_key`): locks taken here
-        are held there too, and a lock held there is in the way. None for a group with a
-        cluster node (0.2 could not use one) or a key that is no lock key."""
-        return keyspace.legacy_key(self.key_prefix, key) if self.legacy_layout else None
+        return keyspace.lock_key(self._settings.key_prefix, resource)
 
     def _with_legacy(self, key: str) -> str:
-        return self.legacy_key_of(key) or key  # the scripts read the key itself as "none"
+        return legacy_key_of(self, key) or key  # the scripts read the key itself as "none"
 
-    def drift(self, ttl: float) -> float:
-        """Seconds subtracted from the validity of a ``ttl``-second lock for clock drift."""
-        return ttl * self.clock_drift_factor + DRIFT_CONSTANT_SECONDS
-
-    def check_ttl(self, ttl: float, name: str = "ttl") -> None:
-        """Raise `ConfigurationError` unless a ``ttl``-second lock can have positive validity."""
-        check_seconds(name, ttl)
-        if ttl - self.drift(ttl) - self.node_timeout <= 0:
-            raise ConfigurationError(
-                f"{name}={ttl!r}s leaves no validity after the clock drift allowance "
-                f"({self.drift(ttl):.3f}s) and one node timeout ({self.node_timeout}s); "
-                "use a ttl of at least a few tenths of a second"
-            )
+    def _drift(self, ttl: float) -> float:
+        return ttl * self._settings.clock_drift_factor + DRIFT_CONSTANT_SECONDS
 
     # -- acquiring ---------------------------------------------------------------------------
 
@@ -205,18 +168,10 @@ class Redlock:
             return self._attempt_at(acquisition)
         return self._wait_at(acquisition, None if wait == float("inf") else wait)
 
-    def reserve(self, resource: str, ttl: float, owner: str = "", *, token: str) -> Outcome:
-        """Reserve the lock on ``resource`` for its next holder: while the reservation is held,
-        nobody but an attempt with the same ``token`` and ``owner`` takes the lock once it is
-        free. The reservation is a lock itself (`Acquired` holds it; `release` gives it up); one
-        attempt, like `attempt`."""
-        key = keyspace.reservation_key(self._checked_key(resource, ttl))
-        return self._attempt_at(Acquisition(resource, key, ttl, owner, token))
-
     def _checked_key(self, resource: str, ttl: float) -> str:
         # A task's runs share one (float) ttl: it is checked once, not on every run.
         if not (ttl.__class__ is float and ttl == self._checked_ttl):
-            self.check_ttl(ttl)
+            check_ttl(self, ttl)
             self._checked_ttl = ttl if ttl.__class__ is float else None
         if not isinstance(resource, str) or not resource:
             raise ConfigurationError(f"resource must be a non-empty string, got {resource!r}")
@@ -233,11 +188,11 @@ class Redlock:
             keys.append(record.key)
             extra += [record.field, record.rank_text]
         ttl_ms = max(1, int(ttl * 1000))
-        rounds = self.retry_count if acquisition.rounds is None else acquisition.rounds
+        rounds = self._settings.retry_count if acquisition.rounds is None else acquisition.rounds
         outcome: Outcome | None = None
         for round_number in range(rounds):
             if round_number:
-                time.sleep(jittered(self.retry_delay))
+                time.sleep(jittered(self._settings.retry_delay))
             started = time.monotonic()
             clock = time.time_ns() // 1000
             arguments: list[str | int] = [value, ttl_ms, clock, acquisition.replaces, *extra]
@@ -281,13 +236,16 @@ class Redlock:
                     # a split each sleeps a random while instead, longer after each split.
                     splits += 1
                     longest = min(
-                        max(self.retry_delay, 0.01) * 2 ** (splits - 1), SPLIT_LONGEST_PAUSE
+                        max(self._settings.retry_delay, 0.01) * 2 ** (splits - 1),
+                        SPLIT_LONGEST_PAUSE,
                     )
                     pause = random.uniform(0, min(longest, max(outcome.retry_in, 0.001)))
                     time.sleep(min(pause, left))
                     continue
                 splits = 0
-                pause = max(outcome.expires_in, 0.001) + random.uniform(0, self.retry_delay / 4)
+                pause = max(outcome.expires_in, 0.001) + random.uniform(
+                    0, self._settings.retry_delay / 4
+                )
                 listener.wait(min(pause, left))
 
     def _outcome(self, acquisition: Acquisition, started: float, result: RoundResult) -> Outcome:
@@ -297,7 +255,7 @@ class Redlock:
             return Covered()
         fencing_token = self._agree_on_fencing_token(key, result, int(ttl * 1000))
         finished = time.monotonic()
-        validity = ttl - (finished - started) - self.drift(ttl)
+        validity = ttl - (finished - started) - self._drift(ttl)
         if fencing_token is not None and validity > 0:
             lock = Lock(
                 resource=acquisition.resource,
@@ -321,7 +279,7 @@ class Redlock:
         return Contended(min(soonest, ttl))
 
     def _unavailable(self, key: str, result: RoundResult) -> QuorumUnavailable:
-        reasons = result.unavailable_reasons(self.node_names)
+        reasons = result.unavailable_reasons([node.name for node in self._group.nodes])
         return QuorumUnavailable(key, result.answered, self.quorum, reasons)
 
     def _agree_on_fencing_token(self, key: str, result: RoundResult, ttl_ms: int) -> int | None:
@@ -346,10 +304,6 @@ class Redlock:
         """Who holds the lock on ``resource`` now, when a majority of nodes agrees on one, without
         taking it; None when nobody does. Raises `QuorumUnavailable` without a quorum."""
         return self._holder_at(self.key_for(resource))
-
-    def reservation_of(self, resource: str) -> Held | None:
-        """Who holds the reservation of the lock on ``resource`` (`reserve`), like `holder_of`."""
-        return self._holder_at(keyspace.reservation_key(self.key_for(resource)))
 
     def _holder_at(self, key: str) -> Held | None:
         result = self._group.run(scripts.READ, (key,), (), judge_copy)
@@ -416,7 +370,7 @@ class Redlock:
         that another owner holds the key, `Lock.remaining` drops to zero too.
         """
         ttl = lock.ttl if ttl is None else ttl
-        self.check_ttl(ttl)
+        check_ttl(self, ttl)
         started = time.monotonic()
         if lock.valid_until <= started:
             return False
@@ -440,7 +394,7 @@ class Redlock:
             return False
         if result.successes < self.quorum or result.finished_at >= lock.valid_until:
             return False
-        lock.validity = ttl - (result.finished_at - started) - self.drift(ttl)
+        lock.validity = ttl - (result.finished_at - started) - self._drift(ttl)
         lock.valid_until = result.finished_at + lock.validity
         lock.ttl = ttl
         return lock.validity > 0
@@ -490,39 +444,105 @@ class Redlock:
             scripts.RELEASE, keys, arguments, judge_zero_or_one, wait=wait, every=wait, owed_for=ttl
         ).successes
 
-    def release_stored(self, key: str, value: str) -> int:
-        """Delete the lock at ``key`` on every node where it still holds exactly ``value`` (a
-        stored value read earlier: token and owner); returns on how many nodes it did. For
-        operators' tools that free a lock they did not take, and never anybody else's."""
-        return self._release_value(key, value, wait=True)
-
-    def run_script(
-        self,
-        script: scripts.Script,
-        keys: Sequence[str],
-        arguments: Sequence[str | int],
-        judge: Judge,
-    ) -> RoundResult:
-        """Run ``script`` on every node at once, over this lock manager's connections, and
-        return each node's reply once the outcome is known (a quorum of replies that ``judge``
-        calls successes, or too few left). ``judge`` checks each reply against what the script
-        can return (`celery_redlock.nodes.Judge`). For modules that keep records beside a lock
-        (the beat leader's schedule)."""
-        return self._group.run(script, keys, arguments, judge)
-
-    # -- operators ---------------------------------------------------------------------------
-
-    def release_if_owner(self, resource: str, owner_prefix: str) -> int:
-        """Delete the lock on ``resource`` where its owner text starts with ``owner_prefix``
-        (`celery_redlock.owner.run_prefix`); returns on how many nodes. For freeing the lock of a
-        process that is gone, and nobody else's."""
-        key = self.key_for(resource)
-        keys = (key, self._with_legacy(key))
-        result = self._group.run(
-            scripts.RELEASE_IF_OWNER, keys, (owner_prefix,), judge_zero_or_one, every=True
-        )
-        return result.successes
-
     def close(self) -> None:
         """Close this process's idle connections to the nodes."""
         self._group.close()
+
+
+# -- helpers of other layers, kept beside the algorithm they use -----------------------------------
+
+
+def from_settings(settings: RedlockSettings, node_timeout: float | None = None) -> Redlock:
+    """The lock manager a Celery app's settings describe (optionally with another per-node
+    timeout, as operators' commands use). It does not log the even-node warning: a worker logs
+    that once, at start, and ``celery redlock status`` reports it."""
+    if node_timeout is not None:
+        settings = dataclasses.replace(settings, node_timeout=node_timeout)
+    redlock = Redlock.__new__(Redlock)
+    redlock._configure(settings)
+    return redlock
+
+
+def settings_of(redlock: Redlock) -> RedlockSettings:
+    """The settings ``redlock`` was made with (retry count and delay, drift, node timeout...)."""
+    return redlock._settings
+
+
+def drift(redlock: Redlock, ttl: float) -> float:
+    """Seconds subtracted from the validity of a ``ttl``-second lock for clock drift."""
+    return redlock._drift(ttl)
+
+
+def check_ttl(redlock: Redlock, ttl: float, name: str = "ttl") -> None:
+    """Raise `ConfigurationError` unless a ``ttl``-second lock can have positive validity."""
+    check_seconds(name, ttl)
+    node_timeout = redlock._settings.node_timeout
+    if ttl - redlock._drift(ttl) - node_timeout <= 0:
+        raise ConfigurationError(
+            f"{name}={ttl!r}s leaves no validity after the clock drift allowance "
+            f"({redlock._drift(ttl):.3f}s) and one node timeout ({node_timeout}s); "
+            "use a ttl of at least a few tenths of a second"
+        )
+
+
+def legacy_layout(redlock: Redlock) -> bool:
+    """Whether ``redlock`` also holds its locks where 0.2 workers look (`legacy_key_of`)."""
+    return redlock._legacy_layout
+
+
+def legacy_key_of(redlock: Redlock, key: str) -> str | None:
+    """Where 0.2 workers lock what ``key`` locks (`keyspace.legacy_key`): locks taken here are
+    held there too, and a lock held there is in the way. None for a group with a cluster node
+    (0.2 could not use one) or a key that is no lock key."""
+    if not redlock._legacy_layout:
+        return None
+    return keyspace.legacy_key(redlock._settings.key_prefix, key)
+
+
+def reserve(redlock: Redlock, resource: str, ttl: float, owner: str = "", *, token: str) -> Outcome:
+    """Reserve the lock on ``resource`` for its next holder (``on_duplicate="coalesce"``): while
+    the reservation is held, nobody but an attempt with the same ``token`` and ``owner`` takes
+    the lock once it is free. The reservation is a lock itself (`Acquired` holds it;
+    `Redlock.release` gives it up); one attempt, like `Redlock.attempt`."""
+    key = keyspace.reservation_key(redlock._checked_key(resource, ttl))
+    return redlock._attempt_at(Acquisition(resource, key, ttl, owner, token))
+
+
+def reservation_of(redlock: Redlock, resource: str) -> Held | None:
+    """Who holds the reservation of the lock on ``resource`` (`reserve`), like
+    `Redlock.holder_of`."""
+    return redlock._holder_at(keyspace.reservation_key(redlock.key_for(resource)))
+
+
+def run_script(
+    redlock: Redlock,
+    script: scripts.Script,
+    keys: Sequence[str],
+    arguments: Sequence[str | int],
+    judge: Judge,
+) -> RoundResult:
+    """Run ``script`` on every node at once, over the lock manager's connections, and return each
+    node's reply once the outcome is known (a quorum of replies that ``judge`` calls successes,
+    or too few left). ``judge`` checks each reply against what the script can return
+    (`celery_redlock.nodes.Judge`). For records kept beside a lock (the beat leader's
+    schedule)."""
+    return redlock._group.run(script, keys, arguments, judge)
+
+
+def release_stored(redlock: Redlock, key: str, value: str) -> int:
+    """Delete the lock at ``key`` on every node where it still holds exactly ``value`` (a stored
+    value read earlier: token and owner); returns on how many nodes it did. For operators'
+    tools that free a lock they did not take, and never anybody else's."""
+    return redlock._release_value(key, value, wait=True)
+
+
+def release_if_owner(redlock: Redlock, resource: str, owner_prefix: str) -> int:
+    """Delete the lock on ``resource`` where its owner text starts with ``owner_prefix``
+    (`celery_redlock.owner.run_prefix`); returns on how many nodes. For freeing the lock of a
+    process that is gone, and nobody else's."""
+    key = redlock.key_for(resource)
+    keys = (key, redlock._with_legacy(key))
+    result = redlock._group.run(
+        scripts.RELEASE_IF_OWNER, keys, (owner_prefix,), judge_zero_or_one, every=True
+    )
+    return result.successes

@@ -10,7 +10,7 @@ import logging
 from typing import Any
 
 from .keeper import LockKeeper
-from .redlock import Redlock
+from .redlock import from_settings
 from .settings import RedlockSettings, even_node_warning, has_password, redact_url
 
 logger = logging.getLogger(__name__)
@@ -23,7 +23,7 @@ class AppRuntime:
 
     def __init__(self, settings: RedlockSettings) -> None:
         self.settings = settings
-        self.redlock = Redlock.from_settings(settings)
+        self.redlock = from_settings(settings)
         self.keeper = LockKeeper(self.redlock)
         self._nodes_checked = False
 

@@ -47,6 +47,7 @@ from celery_redlock import Redlock, admin, keyspace, singleton_task
 from celery_redlock.beat import LeaderScheduler
 from celery_redlock.outcomes import Acquired, Covered, Record, new_token
 from celery_redlock.owner import Owner
+from celery_redlock.redlock import from_settings, reservation_of, reserve
 from celery_redlock.settings import RedlockSettings
 from celery_redlock.testing import (
     RedisNodes,
@@ -391,9 +392,9 @@ def test_the_lock_core_heals_reserves_and_records_as_the_acl_user(acl_nodes: Acl
         assert acl_nodes.values(lock.key) == [lock.value] * 3
         assert acl_nodes.values(keyspace.fence_key(lock.key))[0] == str(lock.fencing_token)
 
-        reserved = redlock.reserve("acl:core", 10, "next", token=new_token())
+        reserved = reserve(redlock, "acl:core", 10, "next", token=new_token())
         assert isinstance(reserved, Acquired)
-        reservation = redlock.reservation_of("acl:core")
+        reservation = reservation_of(redlock, "acl:core")
         assert reservation is not None and reservation.holder == "next"
 
         record = Record(keyspace.records_key(lock.key, "task-1"), "message", (0, 0), 60)
@@ -410,7 +411,7 @@ def test_a_node_backs_off_and_comes_back_as_the_acl_user(
     caplog.set_level(logging.INFO, logger="celery_redlock")
     redlock = acl_redlock(acl_nodes, node_timeout=0.2)
     hung = acl_nodes.nodes[2]
-    name = redlock.node_names[2]
+    name = redlock.nodes[2].name
     attempts = iter(range(1_000_000))
 
     def lock_reaches_the_node() -> bool:
@@ -596,7 +597,7 @@ def cluster_redlock(cluster: RedisCluster, user: str, wait_replicas: int) -> Red
         password=PASSWORD,
         wait_replicas=wait_replicas,
     )
-    return Redlock.from_settings(settings)
+    return from_settings(settings)
 
 
 def cluster_denials(cluster: RedisCluster) -> list[str]:

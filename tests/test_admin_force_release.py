@@ -18,7 +18,7 @@ from redlock_support import values_on
 
 from celery_redlock import Redlock, admin, keyspace, scripts
 from celery_redlock.owner import Owner, lock_value, run_prefix
-from celery_redlock.redlock import new_token
+from celery_redlock.redlock import new_token, release_if_owner
 from celery_redlock.settings import RedlockSettings
 from celery_redlock.testing import RedisNodes
 
@@ -197,16 +197,16 @@ def test_the_scripts_check_the_value_themselves(three_nodes: RedisNodes) -> None
     prefix = run_prefix("run-3", owner.pid, owner.host)
     for value in ("important", f"{'z' * 40}|{owner.to_text()}"):
         set_on(three_nodes, key, value)
-        assert redlock.release_if_owner(resource, prefix) == 0
+        assert release_if_owner(redlock, resource, prefix) == 0
         assert values_on(three_nodes, key) == [value] * 3
     with three_nodes[0].client() as client:
         client.delete(key)
         client.hset(key, "field", "value")
-    assert redlock.release_if_owner(resource, prefix) == 0  # a hash: no error, not deleted
+    assert release_if_owner(redlock, resource, prefix) == 0  # a hash: no error, not deleted
     with three_nodes[0].client() as client:
         assert client.type(key) == b"hash"
         client.delete(key)
     set_on(three_nodes, key, lock)
-    assert redlock.release_if_owner(resource, prefix) == 3
+    assert release_if_owner(redlock, resource, prefix) == 3
     assert values_on(three_nodes, key) == [None, None, None]
     redlock.close()

@@ -124,3 +124,15 @@ def test_no_module_is_longer_than_its_limit() -> None:
         if lines > LONGEST_MODULE and name not in ALLOWED_LONGER
     }
     assert not too_long, f"modules over {LONGEST_MODULE} lines: {too_long}"
+
+
+def test_redlock_has_at_most_ten_public_members_all_in_the_readme() -> None:
+    # What users call; helpers of one internal caller are module functions of celery_redlock.redlock.
+    from celery_redlock import Redlock
+
+    instance_attributes = {"quorum"}  # set in __init__: not on the class
+    members = {name for name in vars(Redlock) if not name.startswith("_")} | instance_attributes
+    assert len(members) <= 10, sorted(members)
+    readme = (ROOT.parent / "README.md").read_text(encoding="utf-8")
+    missing = [name for name in sorted(members) if f"`{name}" not in readme]
+    assert missing == [], f"Redlock members README does not name: {missing}"

@@ -120,7 +120,9 @@ def test_acl_user_and_password_url(caplog):
     acl = ["--user", "alice", "on", ">s3cret-pw", "~*", "&*", "+@all"]
     with RedisServer(extra_args=acl) as server:
         good = Redlock([f"redis://alice:s3cret-pw@127.0.0.1:{server.port}/0"], retry_count=1)
-        assert good.node_names == [f"redis://alice:***@127.0.0.1:{server.port}/0"]
+        assert [node.name for node in good.nodes] == [
+            f"redis://alice:***@127.0.0.1:{server.port}/0"
+        ]
         lock = good.acquire("acl", ttl=5.0)
         assert lock is not None
         assert value_on(server, lock.key) == lock.value
@@ -135,7 +137,7 @@ def test_acl_user_and_password_url(caplog):
     for secret in ("s3cret-pw", "wrong-pw"):  # ...without any password
         assert secret not in caplog.text
         assert secret not in str(info.value)
-        assert secret not in repr(bad.node_names)
+        assert secret not in repr([node.name for node in bad.nodes])
 
 
 def test_acl_user_without_channel_permission_still_releases():
@@ -156,12 +158,12 @@ def test_requirepass_url_and_wrong_password(caplog):
     caplog.set_level(logging.DEBUG, logger="celery_redlock")
     with RedisServer(password="right-secret") as server:
         dlm = Redlock([server.url], retry_count=1)
-        assert "right-secret" not in repr(dlm.node_names)
+        assert "right-secret" not in repr([node.name for node in dlm.nodes])
         lock = dlm.acquire("pw", ttl=5.0)
         assert lock is not None
         assert dlm.release(lock) is True
         wrong = Redlock([f"redis://:wrong-secret@127.0.0.1:{server.port}/0"], retry_count=1)
-        assert wrong.node_names == [f"redis://:***@127.0.0.1:{server.port}/0"]
+        assert [node.name for node in wrong.nodes] == [f"redis://:***@127.0.0.1:{server.port}/0"]
         with pytest.raises(QuorumUnavailable):
             wrong.acquire("pw", ttl=5.0)
     assert "is unavailable" in caplog.text

@@ -18,7 +18,7 @@ from celery_redlock import QuorumUnavailable, Redlock
 from celery_redlock.keeper import LockKeeper
 from celery_redlock.nodes import Endpoint
 from celery_redlock.owner import Owner, claim_prefix, lock_value, owner_text_of, run_prefix
-from celery_redlock.redlock import Acquired, Contended, Held, Unavailable
+from celery_redlock.redlock import Acquired, Contended, Held, Unavailable, release_if_owner
 from celery_redlock.scripts import FENCE_AFTER_RELEASE_MILLISECONDS
 from celery_redlock.testing import RedisNodes, RedisServer
 
@@ -215,10 +215,10 @@ def test_lua_matches_owners_of_any_task_id_exactly(
     # The run of another process (or another task id) is never freed by a lost process's match.
     lock = dlm.acquire("owners", ttl=5.0, owner=Owner(id=task_id, host=host, pid=pid).to_text())
     assert lock is not None
-    assert dlm.release_if_owner("owners", run_prefix(task_id, pid + 1, host)) == 0
+    assert release_if_owner(dlm, "owners", run_prefix(task_id, pid + 1, host)) == 0
     if other != task_id:
-        assert dlm.release_if_owner("owners", run_prefix(other, pid, host)) == 0
-    assert dlm.release_if_owner("owners", run_prefix(task_id, pid, host)) == 1
+        assert release_if_owner(dlm, "owners", run_prefix(other, pid, host)) == 0
+    assert release_if_owner(dlm, "owners", run_prefix(task_id, pid, host)) == 1
     # An enqueue-time claim is taken over by its own task id's run, and by no other.
     claim = dlm.acquire("owners", ttl=5.0, owner=Owner(id=task_id, queued=True).to_text())
     assert claim is not None

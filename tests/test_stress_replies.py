@@ -25,6 +25,7 @@ from celery_redlock.nodes import NO_REPLY, NodeGroup, RoundResult, members_from_
 from celery_redlock.nodes import endpoint as endpoint_module
 from celery_redlock.nodes.channel import Channel
 from celery_redlock.outcomes import Acquired, new_token
+from celery_redlock.redlock import reserve
 from celery_redlock.replies import judge_copy
 from celery_redlock.settings import RedlockSettings
 from celery_redlock.testing import RedisNodes
@@ -284,7 +285,7 @@ def test_a_lock_on_a_majority_is_named_every_time_and_one_on_a_minority_never(
                 outcome = redlock.attempt(resource, 30, "worker-A")
                 key, ask = redlock.key_for(resource), redlock.holder_of
             else:
-                outcome = redlock.reserve(resource, 30, "worker-A", token=new_token())
+                outcome = reserve(redlock, resource, 30, "worker-A", token=new_token())
                 key = keyspace.reservation_key(redlock.key_for(resource))
                 ask = redlock.reservation_of
             assert isinstance(outcome, Acquired), outcome

@@ -34,6 +34,7 @@ from celery_redlock import (
     singleton_task,
 )
 from celery_redlock.outcomes import Acquired, Held, Lock, Unavailable
+from celery_redlock.redlock import from_settings
 from celery_redlock.settings import RedlockSettings
 from celery_redlock.testing import RedisServer
 
@@ -510,7 +511,7 @@ def test_operators_list_status_and_release_over_every_master(cluster: RedisClust
         report = admin.status_report(app, timeout=2.0)
         (node,) = report.nodes
         assert node.reachable and report.has_quorum
-        assert node.node == manager.node_names[0]
+        assert node.node == manager.nodes[0].name
         assert {server.node for server in node.servers} == {
             f"redis://127.0.0.1:{master.port}" for master in cluster.masters()
         }
@@ -554,7 +555,7 @@ def test_operators_read_and_release_a_lock_whose_slot_is_moving(cluster: RedisCl
             (record,) = admin.held_locks(app, timeout=2.0)
             assert record.resource == "report"
             result = admin.force_release(app, "report", timeout=2.0)
-            assert result.deleted_on == (manager.node_names[0],)
+            assert result.deleted_on == (manager.nodes[0].name,)
             assert value_on_asking(destination, lock.key) is None
         finally:
             migration.move_keys()
@@ -596,7 +597,7 @@ def test_redlock_over_a_cluster_url_reports_the_cluster_as_one_node(
     try:
         assert len(manager.nodes) == 1
         assert manager.quorum == 1
-        assert manager.node_names == [cluster.url]
+        assert [node.name for node in manager.nodes] == [cluster.url]
     finally:
         manager.close()
 
@@ -612,7 +613,7 @@ def test_refused_grants_do_not_outlive_their_attempts(cluster: RedisCluster) -> 
         resource = unique("unacknowledged")
         if cluster.slot_owner(cluster.key_slot(key_of(resource))) is owner:
             resources.append(resource)
-    waiting = Redlock.from_settings(RedlockSettings(urls=(cluster.url,), wait_replicas=1))
+    waiting = from_settings(RedlockSettings(urls=(cluster.url,), wait_replicas=1))
     replica = cluster.replicas_of(owner)[0]
     # Connections open, scripts loaded, slot map read. (A grant may miss its replica's
     # acknowledgement within half a 50 ms node timeout on a busy host: that is no failure here.)

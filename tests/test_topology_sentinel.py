@@ -64,7 +64,11 @@ def replica_lag(master: RedisServer) -> int:
 def test_a_sentinel_node_grants_on_the_master_the_sentinels_name(group: SentinelGroup) -> None:
     resource = unique("sentinel")
     with lock_managers([group.url]) as (holder, rival):
-        assert (len(holder.nodes), holder.quorum, holder.node_names) == (1, 1, [group.url])
+        assert (len(holder.nodes), holder.quorum, [node.name for node in holder.nodes]) == (
+            1,
+            1,
+            [group.url],
+        )
         lock = holder.acquire(resource, 10.0, owner="first")
         assert lock is not None
         master = group.master()

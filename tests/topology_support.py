@@ -13,6 +13,7 @@ from types import TracebackType
 
 from celery_redlock import Redlock, RedlockSettings
 from celery_redlock.outcomes import Acquired, Lock
+from celery_redlock.redlock import from_settings
 
 NODE_TIMEOUT = 0.5
 """Per-node timeout of the tests' lock managers: a busy machine must not make a healthy server
@@ -37,7 +38,7 @@ def lock_managers(
         wait_replicas=wait_replicas,
         key_prefix=key_prefix,
     )
-    managers = [Redlock.from_settings(settings) for _ in range(count)]
+    managers = [from_settings(settings) for _ in range(count)]
     try:
         yield managers
     finally:

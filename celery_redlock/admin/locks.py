@@ -14,6 +14,7 @@ from typing import Any
 
 from .. import keyspace, scripts
 from ..errors import QuorumUnavailable
+from ..redlock import legacy_key_of
 from ..runtime import AppRuntime
 from ..task import SingletonTask
 from .fan_out import BadReply, NodeClient, ask_every_node, text
@@ -179,7 +180,7 @@ def held_locks(
 
 def keys_of_lock(app: Any, key: str) -> list[str]:
     """``key`` and, where 0.2 workers may lock the same resource, its 0.2-layout key."""
-    legacy = AppRuntime.for_app(app).redlock.legacy_key_of(key)
+    legacy = legacy_key_of(AppRuntime.for_app(app).redlock, key)
     return [key] if legacy is None else [key, legacy]
 
 

@@ -30,7 +30,7 @@ from .. import keyspace
 from ..nodes import LockNode
 from ..outcomes import majority_holder
 from ..owner import Owner, owner_text_of
-from ..redlock import Redlock
+from ..redlock import from_settings, legacy_layout
 from ..runtime import AppRuntime
 from ..settings import RedlockSettings
 from .fan_out import (
@@ -106,7 +106,7 @@ class LockReader:
         self.app = app
         self.timeout = timeout
         self.settings: RedlockSettings = AppRuntime.for_app(app).settings
-        self.redlock = Redlock.from_settings(self.settings, node_timeout=timeout)
+        self.redlock = from_settings(self.settings, node_timeout=timeout)
         self.nodes: list[LockNode] = self.redlock.nodes
         self.quorum = self.redlock.quorum
         self.prefix = self.settings.key_prefix
@@ -156,7 +156,7 @@ class LockReader:
 
     def scan_server(self, server: ServerClient) -> list[str]:
         """Every lock key under the prefix on one server (SCAN, in batches)."""
-        legacy = self.redlock.legacy_layout
+        legacy = legacy_layout(self.redlock)
         scan = keyspace.legacy_scan_pattern if legacy else keyspace.scan_pattern
         pattern = scan(self.prefix)
         cursor = "0"

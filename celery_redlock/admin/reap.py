@@ -18,6 +18,7 @@ from celery.bootsteps import CLOSE, RUN, TERMINATE
 
 from ..errors import QuorumUnavailable, RedlockError
 from ..owner import Owner
+from ..redlock import release_stored
 from ..runtime import AppRuntime
 from ..task import SingletonTask
 from . import records
@@ -323,7 +324,7 @@ def settle(reader: LockReader, watch: Watch, dry_run: bool) -> ReapResult:
     if dry_run:
         return ReapResult(record, records.WOULD_FREE, verdict.proof, verdict.reason)
     # Deleted only where the key still holds this very value (token): a new holder is untouched.
-    freed = reader.redlock.release_stored(record.key, watch.found.value)
+    freed = release_stored(reader.redlock, record.key, watch.found.value)
     if not freed:
         return ReapResult(
             record, records.GONE, verdict.proof, f"{verdict.reason}; released meanwhile"

@@ -28,6 +28,7 @@ from ..errors import RedlockError
 from ..nodes import LockNode
 from ..nodes.cluster import ClusterNode
 from ..nodes.sentinel import SentinelNode
+from ..redlock import legacy_layout
 from ..settings import RedlockSettings, even_node_warning
 from .fan_out import (
     BadReply,
@@ -370,7 +371,7 @@ def same_server_warnings(statuses: Sequence[NodeStatus]) -> list[str]:
 def legacy_lock_warnings(reader: LockReader) -> list[str]:
     """A warning naming the locks that celery-redlock 0.2 workers hold (0.2-layout keys), if
     any: the fleet is being upgraded."""
-    if not reader.redlock.legacy_layout:
+    if not legacy_layout(reader.redlock):
         return []
     found = reader.read(None).found
     keys = [lock.record.key for lock in found if lock.record.legacy_layout and lock.record.held]
