@@ -3,7 +3,10 @@
 Callers queue commands with the `Slot` each reply goes to; a RESP connection answers in the order
 it was asked, so the replies that arrive are handed to the slots in order. Commands queued while
 another thread is writing go out with its next write: one write carries many callers' commands.
-Only one thread at a time reads (`celery_redlock.nodes.reactor`).
+Only one thread at a time reads (`celery_redlock.nodes.reactor`). Commands queued while that
+reader polls, on a connection that owes replies, are left to it: the next reply wakes it, and it
+writes them all at once (`Channel.flush`) — one write, and no thread giving up the GIL to write,
+per command.
 
 A slot is answered exactly once: with its own reply, or — when the connection fails or its order
 can no longer be trusted (a write or a read cut short, bytes that are not RESP, more replies than
@@ -77,6 +80,14 @@ class Waiter(Protocol):
         """Take note of ``slot``'s reply (or failure)."""
 
 
+class Poller(Protocol):
+    """Whoever reads the connections (`celery_redlock.nodes.reactor.Reactor`)."""
+
+    polling: bool
+    """True while a reader polls: it writes what was left to it (`Channel.flush`) as soon as
+    the poll ends."""
+
+
 class Slot:
     """Where the reply to one queued command goes. ``tag`` is the waiter's own mark (which node,
     which command); ``failure`` says why the reply is `NO_REPLY`."""
@@ -96,17 +107,20 @@ class Slot:
 class Channel:
     """One connection to ``endpoint`` for every thread of this process (see the module
     docstring). ``greeting`` is sent first on every new connection (script loads), and its
-    replies are skipped."""
+    replies are skipped. With ``poller``, commands queued while it polls, behind replies owed,
+    are left for it to write."""
 
     def __init__(
         self,
         endpoint: Endpoint,
         greeting: Sequence[bytes] = (),
         on_connect: Callable[[], None] | None = None,
+        poller: Poller | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.greeting = tuple(greeting)
         self.on_connect = on_connect  # told of every new connection (a reader must poll it)
+        self.poller = poller
         self.lock = threading.Lock()
         self.socket: Any = None
         self.generation = 0  # grows with every new connection and every failure
@@ -143,10 +157,11 @@ class Channel:
         self, payload: bytes, slots: Sequence[Slot], late_after: float | None = None
     ) -> list[Slot]:
         """Queue ``payload``, whose replies go to ``slots`` in order, and write it (with whatever
-        else is queued) unless another thread is writing, which then takes it along. Connects
-        first when needed. With ``late_after``, a connection whose server has owed replies for
-        that many seconds without sending anything (nothing waits to be read) is failed first:
-        the server is hung.
+        else is queued) unless another thread is writing, which then takes it along, or the
+        poller polls and replies are owed, when it writes it once the next one arrives
+        (`flush`). Connects first when needed. With ``late_after``, a connection whose server
+        has owed replies for that many seconds without sending anything (nothing waits to be
+        read) is failed first: the server is hung.
         Returns the slots that failed (those of other callers too): they are answered with
         `NO_REPLY`, and the server is backed off."""
         queued = False
@@ -169,7 +184,9 @@ class Channel:
                             return failed + list(slots)
                     elif now - self._last_used > IDLE_CHECK_SECONDS and self._closed_by_server():
                         self._close_locked()  # a restarted server: the command must not be lost
+                owed = bool(pending)  # a reply to come ends the poller's poll
                 if self.socket is None:
+                    owed = False
                     if self.endpoint.is_backed_off(now):
                         # A connection failed while this caller waited for the lock: it does
                         # not try again (every waiting thread would wait out the server in turn).
@@ -189,43 +206,24 @@ class Channel:
                     slot.sent_at = now
                     slot.channel = self
                 pending.extend(slots)
+                outbox = self._outbox
+                outbox.append(payload)  # behind the greeting of a new connection, if any
                 if self._writing:
-                    self._outbox.append(payload)  # the thread writing now takes it along
-                    return []
+                    return []  # the thread writing now takes it along
+                poller = self.poller
+                if owed and poller is not None and poller.polling:
+                    return []  # the poller writes it when the next reply wakes it (`flush`)
                 self._writing = True
-                if self._outbox:  # the greeting of a new connection goes first
-                    self._outbox.append(payload)
-                    payload = b"".join(self._outbox)
-                    self._outbox.clear()
+                payload = b"".join(outbox) if len(outbox) > 1 else outbox[0]
+                outbox.clear()
                 sock = self.socket
                 self._users[sock] = self._users.get(sock, 0) + 1
                 leased = sock
-            while True:
-                sock.sendall(payload)
-                with self.lock:
-                    if generation != self.generation:
-                        # The connection failed while this thread wrote: the writer role and
-                        # the outbox are the next connection's, whose own writer (if any)
-                        # holds them.
-                        return []
-                    if not self._outbox:
-                        self._writing = False
-                        return []
-                    payload = b"".join(self._outbox)
-                    self._outbox.clear()
+            return self._write_leased(sock, generation, payload)
         except BaseException as error:
             if not queued:
                 raise
-            # A write that failed, or anything that cut the queueing or the writing short (a
-            # signal handler raising: a soft time limit, Ctrl-C): part of the command may have
-            # gone out, or none of it with its slots queued. The connection fails; only a
-            # failed write is the server's fault.
-            failing = isinstance(error, (OSError, RedisClientError))
-            reason = f"write failed: {describe_failure(error)}" if failing else "interrupted"
-            failed = self.fail(generation, reason, back_off=failing)
-            if not failing:
-                raise
-            return failed
+            return self._write_failed(generation, error)
         finally:
             if leased is not None:
                 with self.lock:  # inline: an interruption on a call's entry would skip it
@@ -237,6 +235,70 @@ class Channel:
                         if leased is not self.socket:  # failed while this thread wrote to it
                             with contextlib.suppress(OSError):
                                 leased.close()
+
+    def flush(self) -> list[Slot]:
+        """Write the commands left to the poller (`send`), unless a thread writes now (it takes
+        them along). Returns the slots that failed, as `send` does."""
+        if not self._outbox or self._writing:
+            return []  # read without the lock: a command queued from now on is written anyway
+        generation = -1
+        leased: Any = None
+        try:
+            with self.lock:
+                outbox = self._outbox
+                if self.socket is None or self._writing or not outbox:
+                    return []
+                generation = self.generation
+                self._writing = True
+                sock = self.socket
+                self._users[sock] = self._users.get(sock, 0) + 1
+                leased = sock
+                payload = b"".join(outbox)
+                outbox.clear()
+            return self._write_leased(sock, generation, payload)
+        except BaseException as error:
+            if leased is None:
+                raise
+            return self._write_failed(generation, error)
+        finally:
+            if leased is not None:
+                with self.lock:  # inline: an interruption on a call's entry would skip it
+                    users = self._users[leased] - 1
+                    if users:
+                        self._users[leased] = users
+                    else:
+                        del self._users[leased]
+                        if leased is not self.socket:  # failed while this thread wrote to it
+                            with contextlib.suppress(OSError):
+                                leased.close()
+
+    def _write_leased(self, sock: Any, generation: int, payload: bytes) -> list[Slot]:
+        """Write ``payload``, then whatever was queued meanwhile, as the connection's writer."""
+        while True:
+            sock.sendall(payload)
+            with self.lock:
+                if generation != self.generation:
+                    # The connection failed while this thread wrote: the writer role and the
+                    # outbox are the next connection's, whose own writer (if any) holds them.
+                    return []
+                outbox = self._outbox
+                if not outbox:
+                    self._writing = False
+                    return []
+                payload = b"".join(outbox)
+                outbox.clear()
+
+    def _write_failed(self, generation: int, error: BaseException) -> list[Slot]:
+        """A write that failed, or anything that cut the queueing or the writing short (a signal
+        handler raising: a soft time limit, Ctrl-C): part of the commands may have gone out, or
+        none of them with their slots queued. The connection fails; only a failed write is the
+        server's fault (an interruption is raised again)."""
+        failing = isinstance(error, (OSError, RedisClientError))
+        reason = f"write failed: {describe_failure(error)}" if failing else "interrupted"
+        failed = self.fail(generation, reason, back_off=failing)
+        if not failing:
+            raise error
+        return failed
 
     def _connect_locked(self) -> None:
         sock = self.endpoint.open_socket()

@@ -57,8 +57,9 @@ class Connections:
             with self.guard:
                 channel = self.channels.get(id(endpoint))
                 if channel is None:
-                    channel = Channel(endpoint, SCRIPT_LOADS, self.reactor.connection_opened)
-                    self.reactor.add_channel(channel)
+                    reactor = self.reactor
+                    channel = Channel(endpoint, SCRIPT_LOADS, reactor.connection_opened, reactor)
+                    reactor.add_channel(channel, channel)
                     self.channels[id(endpoint)] = channel
         return channel
 

@@ -5,8 +5,10 @@ it polls every connection of the process, reads what arrives and hands each repl
 answers; the waiter of that slot is woken only once what it waits for is complete. When its own
 wait is over, the reader passes the role to one thread still waiting. A thread on its own is
 always the reader — no hand-off, no extra thread — and many threads share the reads of one
-connection. There is no thread per call and no background reader: with gevent or eventlet, the
-waiting greenlets take turns the same way.
+connection. Commands queued while the reader polls, on connections that owe replies, are written
+by the reader when its poll ends (`celery_redlock.nodes.channel.Channel.flush`): a reply that
+wakes it writes the next commands of many threads at once. There is no thread per call and no
+background reader: with gevent or eventlet, the waiting greenlets take turns the same way.
 
 Everything that waits here has a deadline; a deadline that passes wakes its waiter whatever the
 others do. After a fork, the child has a reactor of its own (`celery_redlock.nodes.group`).
@@ -74,12 +76,21 @@ class Readable(Protocol):
         """Read what arrived on ``descriptor``, adding the slots it answered to ``answered``."""
 
 
+class Writable(Protocol):
+    """A connection that leaves commands to the reader while it polls: a `Channel`."""
+
+    def flush(self) -> list[Slot]:
+        """Write the commands left to the reader; returns the slots that failed."""
+
+
 class Reactor:
     """The reads of one process's connections (see the module docstring)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.channels: list[Readable] = []
+        self.writers: list[Writable] = []
+        self.polling = False  # a reader polls: it flushes the writers once the poll ends
         self._reading = False
         self._waiting: list[Waiting] = []
         # Written to when a connection is added while a reader polls, so that it polls it too.
@@ -87,11 +98,14 @@ class Reactor:
         os.set_blocking(self._wake_reader_read, False)
         os.set_blocking(self._wake_reader_write, False)
 
-    def add_channel(self, channel: Readable) -> None:
-        """Read ``channel`` too from now on."""
+    def add_channel(self, channel: Readable, writer: Writable | None = None) -> None:
+        """Read ``channel`` too from now on; ``writer`` (the channel itself, when it leaves
+        commands to the reader) is flushed after every poll."""
         with self.lock:
             if channel not in self.channels:
                 self.channels.append(channel)
+            if writer is not None and writer not in self.writers:
+                self.writers.append(writer)
 
     def connection_opened(self) -> None:
         """A channel opened a new connection: a reader polling now must poll it as well."""
@@ -178,10 +192,19 @@ class Reactor:
             looked = True
             with self.lock:
                 by_descriptor = {channel.fileno(): channel for channel in self.channels}
+                writers = self.writers
             by_descriptor.pop(-1, None)
-            ready = wait_readable([wake_descriptor, *by_descriptor], max(left, 0.0))
             answered: list[Slot] = []
             try:
+                self.polling = True
+                try:
+                    ready = wait_readable([wake_descriptor, *by_descriptor], max(left, 0.0))
+                finally:
+                    # First, even when a signal handler raises: the commands left to this reader
+                    # while it polled (a command queued from now on is written by its sender).
+                    self.polling = False
+                    for writer in writers:
+                        answered += writer.flush()
                 for descriptor in ready:
                     if descriptor == wake_descriptor:
                         with contextlib.suppress(OSError):
