@@ -92,7 +92,7 @@ class Reactor:
         self.writers: list[Writable] = []
         self.polling = False  # a reader polls: it flushes the writers once the poll ends
         self._reading = False
-        self._waiting: list[Waiting] = []
+        self._waiting: dict[Waiting, None] = {}  # those asleep or about to be, in order
         # Written to when a connection is added while a reader polls, so that it polls it too.
         self._wake_reader_read, self._wake_reader_write = os.pipe()
         os.set_blocking(self._wake_reader_read, False)
@@ -131,7 +131,7 @@ class Reactor:
         Safe against an exception raised at any point by a signal handler (a soft time limit):
         the reading role is always given back, and the waiter taken off the list, on the way
         out, where the reading is handed over once."""
-        reading = looked = False
+        reading = looked = left = False
         try:
             while True:
                 with self.lock:
@@ -139,36 +139,43 @@ class Reactor:
                         self._reading = False
                         reading = False
                     now = time.monotonic()
-                    if waiting.satisfied or waiting.attention:
-                        return waiting.satisfied
-                    if now >= deadline:
+                    done = waiting.satisfied or waiting.attention
+                    if not done and now >= deadline:
                         # A thread the CPU got to late may find its replies arrived in time,
                         # unread: one last look (without waiting) before it gives up on them.
-                        if looked or self._reading:
-                            return waiting.satisfied
+                        done = looked or self._reading
                         looked = True
                         deadline = now
+                    if done:
+                        # On the way out with the lock held already (the `finally` clause takes
+                        # it only when cut short); leaving twice does no harm.
+                        self._leave_locked(waiting)
+                        left = True
+                        return waiting.satisfied
                     if not self._reading:
                         reading = True  # first: an interruption in between leaves no role held
                         self._reading = True
-                        if waiting in self._waiting:
-                            self._waiting.remove(waiting)
+                        self._waiting.pop(waiting, None)
                     else:
                         waiting.asleep = True
-                        if waiting not in self._waiting:
-                            self._waiting.append(waiting)
+                        self._waiting[waiting] = None
                 if reading:
                     self._read_until(waiting, deadline)
                 else:
                     waiting.sleep(deadline - now)
         finally:
-            with self.lock:
-                if reading:
-                    self._reading = False
-                waiting.asleep = False
-                if waiting in self._waiting:
-                    self._waiting.remove(waiting)
-                self._hand_over_locked()  # it may have been woken to take over reading
+            if not left:
+                with self.lock:
+                    if reading:
+                        self._reading = False
+                    self._leave_locked(waiting)
+
+    def _leave_locked(self, waiting: Waiting) -> None:
+        """``waiting``'s thread stops waiting: off the list, and the reading handed over if
+        nobody reads (it may have been woken to take it over)."""
+        waiting.asleep = False
+        self._waiting.pop(waiting, None)
+        self._hand_over_locked()
 
     def _hand_over_locked(self) -> None:
         """With nobody reading, wake one waiting thread to take over (it may find itself done
