@@ -43,7 +43,9 @@ published) is noted in the report and run again, at most three times.
 
 CPU: with ``-P solo`` the worker is one process that receives, locks, runs and acknowledges,
 so its CPU time in the window (``time.process_time``: user + system, every thread) divided by
-the calls is everything a call costs the worker. The lock nodes' CPU time (from their INFO)
+the calls is everything a call costs the worker. The lock nodes' memory (INFO ``used_memory``,
+expired keys swept by a SCAN) is read before the calls are queued and two seconds after the
+report, so it holds what the run left behind. The lock nodes' CPU time (from their INFO)
 is read before the worker starts and after the report arrives, so it holds the worker's start,
 and the nodes' idle housekeeping: the plain row shows that floor.
 
@@ -148,6 +150,8 @@ TARGETS = ("redlock-1", "redlock-5")
 TARGET_RATIO = 0.9
 TARGET_INTEGRATION_CPU_US = 50.0
 TARGET_ADDED_PER_CLIENT_PAIR = 1.0  # issue 17: what the integration adds <= one lock client pair
+TARGET_BYTES_LEFT = 64.0  # issue 23: lock node memory a run acknowledged on receipt leaves behind
+PEER = "celery-singleton"  # issue 23: @singleton_task on 1 node at least as fast as this peer
 LOCK_NODES = 5
 
 NOOP = "benchmark.noop"
@@ -378,6 +382,27 @@ class Sample:
     cpu_us: float
     node_cpu_us: float
     load: float
+    node_bytes: float = 0.0  # lock node memory a worker run left, per call (workers only)
+
+
+LEFT_AFTER_SECONDS = 2.0
+"""How long after a worker run the lock nodes' memory is read: what the run left on them, past
+the second a released lock's fencing counter lives on."""
+
+
+def _redis_memory_bytes(servers: RedisNodes) -> int:
+    """The memory the servers use now (INFO ``used_memory``), after a SCAN of every key, which
+    removes the keys that expired (Redis otherwise removes them gradually)."""
+    total = 0
+    for server in servers:
+        client = server.client()
+        try:
+            for _ in client.scan_iter(count=1000):
+                pass
+            total += int(client.info("memory")["used_memory"])
+        finally:
+            client.close()
+    return total
 
 
 def _redis_cpu_seconds(servers: RedisNodes) -> float:
@@ -464,6 +489,7 @@ class Benchmark:
                 (report_key, self.broker.url), queue=queue, producer=producer
             )
         load = os.getloadavg()[0]
+        node_memory = _redis_memory_bytes(self.nodes)
         node_cpu = _redis_cpu_seconds(self.nodes)
         worker = CeleryWorker(
             f"{APP_MODULE}:app",
@@ -490,6 +516,8 @@ class Benchmark:
             control.delete(queue)
         finally:
             control.close()
+        time.sleep(LEFT_AFTER_SECONDS)
+        node_memory = _redis_memory_bytes(self.nodes) - node_memory
         measurement = json.loads(reply)
         self.check_package(variant, measurement["package"])
         if measurement["outcomes"] != {"SUCCESS": calls}:
@@ -499,6 +527,7 @@ class Benchmark:
             cpu_us=measurement["cpu_seconds"] / calls * 1e6,
             node_cpu_us=node_cpu / calls * 1e6,
             load=load,
+            node_bytes=node_memory / calls,
         )
 
     @staticmethod
@@ -752,8 +781,9 @@ def markdown(results: Results) -> str:
         f"{results.rounds} interleaved rounds, medians over rounds.",
         "",
         "| variant | tasks/s | min - max | x plain | µs/task over plain "
-        "| added / lock client pair | by round | worker CPU µs/task | lock nodes CPU µs/task |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| added / lock client pair | by round | worker CPU µs/task | lock nodes CPU µs/task "
+        "| lock nodes bytes left/task |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     integrated = results.integrated()
     for variant in results.workers():
@@ -767,7 +797,8 @@ def markdown(results: Results) -> str:
             f"| {label(variant)} | {results.median(variant):,.0f} | {_spread(rates)} | "
             f"{results.ratio(variant):.2f}x | {overhead} | {added} | {by_round} | "
             f"{results.median(variant, 'cpu_us'):.0f} | "
-            f"{results.median(variant, 'node_cpu_us'):.0f} |"
+            f"{results.median(variant, 'node_cpu_us'):.0f} | "
+            f"{results.median(variant, 'node_bytes'):.0f} |"
         )
     if results.clients():
         lines += [
@@ -819,6 +850,20 @@ def markdown(results: Results) -> str:
             f"- {verdict}: {label(variant)} integration CPU {value:.0f} µs per task "
             f"(target <= {TARGET_INTEGRATION_CPU_US:.0f} µs)"
         )
+    for variant in integrated:
+        left = results.median(variant, "node_bytes")
+        verdict = "PASS" if left <= TARGET_BYTES_LEFT else "MISS"
+        lines.append(
+            f"- {verdict}: {label(variant)} leaves {left:.0f} bytes per task on the lock nodes "
+            f"(target <= {TARGET_BYTES_LEFT:.0f}, issue 23)"
+        )
+    if "redlock-1" in results.samples and PEER in results.samples:
+        ours, theirs = results.median("redlock-1"), results.median(PEER)
+        verdict = "PASS" if ours >= theirs else "MISS"
+        lines.append(
+            f"- {verdict}: {label('redlock-1')} {ours:,.0f}/s vs {label(PEER)} {theirs:,.0f}/s "
+            "(target: at least as fast, issue 23)"
+        )
     if results.failures:
         lines.append("")
         lines.append(
@@ -869,6 +914,7 @@ def _json_document(results: Results, details: dict[str, str]) -> dict[str, Any]:
         "rate_per_second": column("rate"),
         "cpu_us_per_call": column("cpu_us"),
         "lock_nodes_cpu_us_per_call": column("node_cpu_us"),
+        "lock_nodes_bytes_left_per_call": column("node_bytes"),
         "load_average": column("load"),
         "integration_cpu_us_per_task": {
             variant: results.integration_cpu_us(variant) for variant in integrated
