@@ -89,21 +89,16 @@ class Owner:
 
     def to_text(self) -> str:
         """The owner text stored beside the token (the matching prefixes come first)."""
-        fields: dict[str, Any] = {
-            "id": self.id,
-            "queued": self.queued,
-            "pid": self.pid,
-            "host": self.host,
-            "task": self.task,
-            "retries": self.retries,
-            "nesting": self.nesting,
-            "since": self.since,
-        }
-        if self.worker:
-            fields["worker"] = self.worker
-        if self.role:
-            fields["role"] = self.role
-        return _encode(fields)
+        prefix = _prefix(self.id, self.queued, self.pid, _encode(self.host))
+        return _owner_text(
+            prefix,
+            _encode(self.task),
+            self.retries,
+            self.nesting,
+            self.since,
+            self.worker,
+            self.role,
+        )
 
     @classmethod
     def parse(cls, text: str | None) -> Owner | None:
@@ -158,27 +153,45 @@ class Owner:
 
 class RunOwnerTexts:
     """The owner texts of one task's runs, as `Owner.to_text` writes them, built fast: what does
-    not change from run to run (task, host, process, worker) is encoded once per process."""
+    not change from run to run (task, host, process) is encoded once per process."""
 
     def __init__(self, task: str) -> None:
-        self.task = task
+        self._task = _encode(task)
         self._pid = 0
-        self._worker: str | None = None
-        self._middle = ""
-        self._end = "}"
+        self._host = ""
 
     def text(self, task_id: str | None, retries: int, nesting: int, worker: str | None) -> str:
         """The owner text of a run of ``task_id`` starting now in this process."""
         pid = os.getpid()
-        if pid != self._pid or worker != self._worker:  # first use, or a forked child
-            self._pid, self._worker = pid, worker
-            host = _encode(socket.gethostname())
-            self._middle = f',"queued":false,"pid":{pid},"host":{host},"task":{_encode(self.task)}'
-            self._end = f',"worker":{_encode(worker)}}}' if worker else "}"
-        return (
-            f'{{"id":{_encode(task_id)}{self._middle},"retries":{retries},"nesting":{nesting},'
-            f'"since":{round(time.time(), 3)}{self._end}'
-        )
+        if pid != self._pid:  # first use, or a forked child
+            self._pid, self._host = pid, _encode(socket.gethostname())
+        prefix = _prefix(task_id, False, pid, self._host)
+        since = round(time.time(), 3)
+        return _owner_text(prefix, self._task, retries, nesting, since, worker, None)
+
+
+def _prefix(task_id: str | None, queued: bool, pid: int | None = None, host: str = "") -> str:
+    """How an owner text starts: the fields the scripts match by prefix (``host`` encoded)."""
+    text = '{"id":' + _encode(task_id) + (',"queued":true,' if queued else ',"queued":false,')
+    return text if pid is None else f'{text}"pid":{pid},"host":{host},'
+
+
+def _owner_text(
+    prefix: str,
+    task: str,
+    retries: int,
+    nesting: int,
+    since: float,
+    worker: str | None,
+    role: str | None,
+) -> str:
+    """The whole owner text after its ``prefix`` (``task`` encoded): the one place it is built."""
+    text = f'{prefix}"task":{task},"retries":{retries},"nesting":{nesting},"since":{since}'
+    if worker:
+        text += ',"worker":' + _encode(worker)
+    if role:
+        text += ',"role":' + _encode(role)
+    return text + "}"
 
 
 def _optional_text(value: object) -> str | None:
@@ -187,12 +200,12 @@ def _optional_text(value: object) -> str | None:
 
 def claim_prefix(task_id: str) -> str:
     """How the owner text of the enqueue-time claim of ``task_id`` starts."""
-    return "{" + f'"id":{_encode(task_id)},"queued":true,'
+    return _prefix(task_id, True)
 
 
 def run_prefix(task_id: str, pid: int, host: str) -> str:
     """How the owner text of a run of ``task_id`` in process ``pid`` on ``host`` starts."""
-    return "{" + f'"id":{_encode(task_id)},"queued":false,"pid":{pid},"host":{_encode(host)},'
+    return _prefix(task_id, False, pid, _encode(host))
 
 
 def describe_holder(owner_text: str | None) -> str:
