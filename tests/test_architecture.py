@@ -127,7 +127,7 @@ def test_no_module_is_longer_than_its_limit() -> None:
 
 
 def test_redlock_has_at_most_ten_public_members_all_in_the_readme() -> None:
-    # What users call; helpers of one internal caller are module functions of celery_redlock.redlock.
+    # What users call; helpers of one internal caller are module functions of its module.
     from celery_redlock import Redlock
 
     instance_attributes = {"quorum"}  # set in __init__: not on the class

@@ -8,6 +8,7 @@ only the socket (a gate around it) and the link (a proxy) are doubled.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import random
 import threading
@@ -25,7 +26,7 @@ from celery_redlock.nodes import NO_REPLY, NodeGroup, RoundResult, members_from_
 from celery_redlock.nodes import endpoint as endpoint_module
 from celery_redlock.nodes.channel import Channel
 from celery_redlock.outcomes import Acquired, new_token
-from celery_redlock.redlock import reserve
+from celery_redlock.redlock import reservation_of, reserve
 from celery_redlock.replies import judge_copy
 from celery_redlock.settings import RedlockSettings
 from celery_redlock.testing import RedisNodes
@@ -287,7 +288,7 @@ def test_a_lock_on_a_majority_is_named_every_time_and_one_on_a_minority_never(
             else:
                 outcome = reserve(redlock, resource, 30, "worker-A", token=new_token())
                 key = keyspace.reservation_key(redlock.key_for(resource))
-                ask = redlock.reservation_of
+                ask = functools.partial(reservation_of, redlock)
             assert isinstance(outcome, Acquired), outcome
             with three_nodes[lost].client() as client:
                 assert client.delete(key) == 1

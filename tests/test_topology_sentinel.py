@@ -16,6 +16,8 @@ from topologies import SentinelGroup
 from topology_support import Rival, lock_managers, unique
 
 from celery_redlock import Redlock, admin
+from celery_redlock.errors import RedlockError
+from celery_redlock.nodes import sentinel
 from celery_redlock.outcomes import Acquired, Held, Unavailable
 from celery_redlock.testing import RedisServer
 
@@ -249,3 +251,35 @@ def test_a_grant_refused_for_want_of_replicas_leaves_nothing_behind(group: Senti
             assert wait_until(lambda: value_on(master, waiting.key_for(resource)) is None, 2.0)
         finally:
             replica.resume()
+
+
+@pytest.mark.parametrize(
+    ("change", "refusal"),
+    [
+        ({"is_sdown": True, "flags": "master,s_down"}, "up as a master"),
+        ({"is_odown": True}, "up as a master"),
+        ({"is_master": False, "flags": "slave"}, "up as a master"),
+        ({"num-other-sentinels": -1}, "other sentinels"),
+        ({"port": 0}, "no valid master address"),
+        ({"ip": ""}, "no valid master address"),
+    ],
+)
+def test_a_sentinel_naming_a_master_it_sees_down_is_not_believed(
+    change: dict[str, object], refusal: str
+) -> None:
+    # The checks of redis-py's Sentinel.discover_master, on the reply as redis-py parses it.
+    state = {
+        "name": "locks",
+        "ip": "10.0.0.5",
+        "port": 6379,
+        "flags": "master",
+        "is_master": True,
+        "is_sdown": False,
+        "is_odown": False,
+        "num-other-sentinels": 2,
+    }
+    assert sentinel.master_address(state) == ("10.0.0.5", 6379)
+    with pytest.raises(RedlockError, match=refusal):
+        sentinel.master_address({**state, **change})
+    with pytest.raises(RedlockError, match="reply no sentinel gives"):
+        sentinel.master_address(["locks", "10.0.0.5"])

@@ -1,13 +1,13 @@
 """A Sentinel-managed master as one member of the quorum (`SentinelNode`).
 
-The member is whichever server the sentinels name as the master of the service
-(``SENTINEL get-master-addr-by-name``). It is asked on first use, and again in the background
-after the master fails or answers ``READONLY`` (a master demoted by a failover), and at least
-every `REFRESH_SECONDS` while the member is used (a master replaced while it keeps running says
-nothing for several seconds). Replication is asynchronous: a lock granted by a master that fails
-before its replica got the write is lost with it, and a grant by a replaced master that has not
-noticed yet is not seen by the new one, unless ``redlock_wait_replicas`` makes a grant count only
-once replicas acknowledged it.
+The member is whichever server the sentinels name as the master of the service (``SENTINEL MASTER``:
+one they see up, as redis-py's ``Sentinel.discover_master`` requires). It is asked on first use, and
+again in the background after the master fails or answers ``READONLY`` (a master demoted by a
+failover), and at least every `REFRESH_SECONDS` while the member is used (a master replaced while it
+keeps running says nothing for several seconds). Replication is asynchronous: a lock granted by a
+master that fails before its replica got the write is lost with it, and a grant by a replaced master
+that has not noticed yet is not seen by the new one, unless ``redlock_wait_replicas`` makes a grant
+count only once replicas acknowledged it.
 """
 
 from __future__ import annotations
@@ -18,6 +18,10 @@ from .endpoint import Endpoint, KnownServers
 from .locating import Locator, first_answer
 from .members import LockNode
 from .resp import ErrorReply
+
+MIN_OTHER_SENTINELS = 0
+"""How many other sentinels the answering sentinel must see beside itself for its master to count
+(redis-py's ``min_other_sentinels``, 0 by default there too)."""
 
 REFRESH_SECONDS = 1.0
 """How old the master's address may get before the sentinels are asked again (in the background).
@@ -73,12 +77,26 @@ class SentinelNode(LockNode):
 
     def _master_named_by(self, sentinel: Endpoint) -> Endpoint:
         with sentinel.client() as client:
-            address = client.execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", self.service)
-        if isinstance(address, (list, tuple)) and len(address) == 2:
-            host, port = (
-                part.decode(errors="replace") if isinstance(part, bytes) else str(part)
-                for part in address
-            )
-            if port.isdigit():
-                return self.servers.at(host, int(port))
-        raise RedlockError(f"knows no master named {self.service!r}")
+            state = client.sentinel_master(self.service)  # SENTINEL MASTER, parsed by redis-py
+        host, port = master_address(state)
+        return self.servers.at(host, port)
+
+
+def master_address(state: object) -> tuple[str, int]:
+    """The address of the master a sentinel describes (its ``SENTINEL MASTER`` reply, as redis-py
+    parses it) — with redis-py's own checks (``Sentinel.check_master_state``): a master the
+    sentinel sees down (subjectively or objectively), or no longer as a master, or together with
+    fewer than `MIN_OTHER_SENTINELS` other sentinels, is refused (`RedlockError`)."""
+    if not isinstance(state, dict):
+        raise RedlockError(f"gave a reply no sentinel gives to SENTINEL MASTER: {state!r:.60}")
+    if not state.get("is_master") or state.get("is_sdown") or state.get("is_odown"):
+        raise RedlockError(
+            f"does not see {state.get('name')!r} up as a master ({state.get('flags')})"
+        )
+    others = state.get("num-other-sentinels")
+    if not isinstance(others, int) or others < MIN_OTHER_SENTINELS:
+        raise RedlockError(f"sees {others!r} other sentinels, fewer than {MIN_OTHER_SENTINELS}")
+    host, port = state.get("ip"), state.get("port")
+    if not isinstance(host, str) or not host or not isinstance(port, int) or not 0 < port < 65536:
+        raise RedlockError(f"names no valid master address: {host!r}:{port!r}")
+    return host, port
