@@ -133,8 +133,12 @@ call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 if legacy then
     call('SET', KEYS[4], ARGV[1], 'PX', ARGV[2])
 end
-local fence = math.max((tonumber(call('GET', KEYS[2])) or 0) + 1, tonumber(ARGV[3]))
-local keep = math.max(tonumber(ARGV[2]), call('PTTL', KEYS[2]))
+local counter = call('GET', KEYS[2])
+local fence = math.max((tonumber(counter) or 0) + 1, tonumber(ARGV[3]))
+local keep = tonumber(ARGV[2])
+if counter then
+    keep = math.max(keep, call('PTTL', KEYS[2]))
+end
 call('SET', KEYS[2], string.format('%.0f', fence), 'PX', keep)
 return fence
 """,
