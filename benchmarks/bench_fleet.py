@@ -76,8 +76,8 @@ from benchmark_support import cpu_model, percentile, server_version
 from celery import Celery, signals
 
 import celery_redlock
+from celery_redlock import Redlock, singleton_task
 from celery_redlock import signals as lock_signals
-from celery_redlock import singleton_task
 from celery_redlock.testing import (
     CeleryWorker,
     ProcessExitedError,
@@ -367,6 +367,7 @@ class FleetResult:
     packages: set[str]
     complete: bool
     timeout_note: str = ""
+    bare_pair_node_cpu_us: float = 0.0  # median node CPU per uncontended acquire + release
 
     @property
     def tasks(self) -> int:
@@ -500,6 +501,39 @@ def run_fleet(
         packages={tally["package"] for tally in tallies},
         complete=complete,
         timeout_note=note,
+    )
+
+
+TARGET_NODE_CPU_RATIO = 1.5  # issue 23: a task costs a node at most this many bare lock pairs
+BARE_PAIRS = 2000
+"""Uncontended acquire + release pairs of the bare lock client, after the fleet, on its nodes."""
+
+
+def bare_pair_node_cpu_us(nodes: RedisNodes, node_timeout: float | None) -> float:
+    """The lock nodes' CPU per uncontended ``Redlock.acquire`` + ``release`` pair (distinct
+    resources, released with confirmation), median over the nodes: the lock's own cost, which a
+    task is compared with."""
+    options = {} if node_timeout is None else {"node_timeout": node_timeout}
+    redlock = Redlock(nodes.urls, **options)
+    observers = [server.client(socket_timeout=10.0) for server in nodes]
+    try:
+        for index in range(100):  # connections and scripts loaded before the count starts
+            lock = redlock.acquire(f"bare-warm-{index}", ttl=60)
+            if lock is not None:
+                redlock.release(lock)
+        before = [NodeCounters.read(observer) for observer in observers]
+        for index in range(BARE_PAIRS):
+            lock = redlock.acquire(f"bare-{index}", ttl=60)
+            if lock is not None:
+                redlock.release(lock)
+        after = [NodeCounters.read(observer) for observer in observers]
+    finally:
+        redlock.close()
+        for observer in observers:
+            observer.close()
+    return statistics.median(
+        (a.cpu_seconds - b.cpu_seconds) / BARE_PAIRS * 1e6
+        for a, b in zip(after, before, strict=True)
     )
 
 
@@ -654,6 +688,18 @@ def markdown(result: FleetResult, load_before: float, load_after: float, took: f
         default=0,
     )
     per_process = most_connections / WORKERS
+    bare = result.bare_pair_node_cpu_us
+    if bare > 0:
+        ratio = node_cpu_per_task / bare
+        verdict = "PASS" if ratio <= TARGET_NODE_CPU_RATIO else "MISS"
+        lines += [
+            "",
+            f"The bare lock client on the same nodes afterwards ({BARE_PAIRS:,} uncontended "
+            f"`acquire` + `release` pairs): {bare:.1f} µs of node CPU per pair per node. A task: "
+            f"{node_cpu_per_task:.1f} µs, {ratio:.2f}x.",
+            f"- {verdict}: node CPU per task at most {TARGET_NODE_CPU_RATIO}x the bare lock "
+            "pair's (issue 23)",
+        ]
     lines += [""]
     if result.worker_cpu_seconds is not None:
         lines.append(
@@ -720,6 +766,7 @@ def to_json(result: FleetResult) -> dict[str, Any]:
         "worker_cpu_seconds": result.worker_cpu_seconds,
         "startup_seconds": result.startup_seconds,
         "complete": result.complete,
+        "bare_pair_node_cpu_us": result.bare_pair_node_cpu_us,
         "packages": sorted(result.packages),
     }
 
@@ -785,6 +832,7 @@ def main(argv: list[str] | None = None) -> int:
         if options.log_directory is not None:
             options.log_directory.mkdir(parents=True, exist_ok=True)
         result = run_fleet(broker, nodes, settings, Path(directory))
+        result.bare_pair_node_cpu_us = bare_pair_node_cpu_us(nodes, options.node_timeout)
     print()
     print(markdown(result, load_before, os.getloadavg()[0], time.monotonic() - started))
     if options.json is not None:
