@@ -93,7 +93,7 @@ def pair(manager: Any, name: str) -> str:
 def make_manager(urls: Sequence[str], node_timeout: float, wait_replicas: int = 0) -> Any:
     """A lock manager on ``urls`` from settings, as a Celery app's worker would build it."""
     from celery_redlock import RedlockSettings
-    from celery_redlock.redlock import from_settings
+    from celery_redlock.lock.redlock import from_settings
 
     settings = RedlockSettings(
         urls=tuple(urls), node_timeout=node_timeout, wait_replicas=wait_replicas

@@ -15,12 +15,12 @@ from .errors import (
     RedlockError,
 )
 from .fencing import StaleFence
-from .keys import LockKeyError
-from .outcomes import Lock
-from .redlock import Redlock
+from .integration.keys import LockKeyError
+from .integration.task import SingletonTask, singleton_task
+from .integration.wiring import connect as _connect_signal_handlers
+from .lock.outcomes import Lock
+from .lock.redlock import Redlock
 from .settings import RedlockSettings
-from .task import SingletonTask, singleton_task
-from .wiring import connect as _connect_signal_handlers
 
 _connect_signal_handlers()
 

@@ -83,7 +83,7 @@ import pytest
 if TYPE_CHECKING:
     from celery import Celery
 
-    from celery_redlock.runtime import AppRuntime
+    from celery_redlock.integration.runtime import AppRuntime
     from celery_redlock.testing import CeleryWorker, RedisNodes, RedisServer
 
 __all__ = ["WorkerFactory"]
@@ -368,7 +368,7 @@ def _install_harness_runtime(app: Celery) -> AppRuntime | None:
     """Give the app celery_redlock state for the harness settings for the test: the state kept
     from an earlier test when the settings are the same, else none (created on first use).
     Returns the app's own state (or None), which ``_restore_runtime`` puts back."""
-    from celery_redlock.runtime import AppRuntime
+    from celery_redlock.integration.runtime import AppRuntime
     from celery_redlock.settings import RedlockSettings
 
     kept = _harness_runtimes.pop(app, None)
@@ -380,7 +380,7 @@ def _install_harness_runtime(app: Celery) -> AppRuntime | None:
 
 def _restore_runtime(app: Celery, own: AppRuntime | None) -> None:
     """Keep the state the test used for the next test, and give the app its own back."""
-    from celery_redlock.runtime import AppRuntime
+    from celery_redlock.integration.runtime import AppRuntime
 
     harness = AppRuntime.install(app, own)
     if harness is not None:

@@ -43,11 +43,12 @@ from env_cli_app import run_redlock_command
 from redlock_support import wait_until
 from topologies import RedisCluster
 
-from celery_redlock import Redlock, admin, keyspace, singleton_task
+from celery_redlock import Redlock, admin, singleton_task
 from celery_redlock.beat import LeaderScheduler
-from celery_redlock.outcomes import Acquired, Covered, Record, new_token
-from celery_redlock.owner import Owner
-from celery_redlock.redlock import from_settings, reservation_of, reserve
+from celery_redlock.lock import keyspace
+from celery_redlock.lock.outcomes import Acquired, Covered, Record, new_token
+from celery_redlock.lock.owner import Owner
+from celery_redlock.lock.redlock import from_settings, reservation_of, reserve
 from celery_redlock.settings import RedlockSettings
 from celery_redlock.testing import (
     RedisNodes,

@@ -22,15 +22,9 @@ from celery_apps.support import LockSignals, RunLog, embedded_worker, key_gone, 
 from cli_app import create_app
 from redlock_support import values_on, wait_until
 
-from celery_redlock import (
-    ConfigurationError,
-    QuorumUnavailable,
-    Redlock,
-    SingletonTask,
-    admin,
-    keyspace,
-)
-from celery_redlock.owner import Owner
+from celery_redlock import ConfigurationError, QuorumUnavailable, Redlock, SingletonTask, admin
+from celery_redlock.lock import keyspace
+from celery_redlock.lock.owner import Owner
 from celery_redlock.settings import RedlockSettings
 from celery_redlock.testing import RedisNodes, RedisServer
 

@@ -24,8 +24,8 @@ from cli_support import FAST, as_json, invoke, run_celery
 from fake_resp import FakeRedisServer, Reply, always
 
 from celery_redlock import QuorumUnavailable, admin
-from celery_redlock.owner import Owner, lock_value
-from celery_redlock.redlock import new_token
+from celery_redlock.lock.owner import Owner, lock_value
+from celery_redlock.lock.redlock import new_token
 from celery_redlock.testing import RedisNodes, RedisServer
 
 HOST = socket.gethostname()

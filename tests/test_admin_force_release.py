@@ -16,9 +16,10 @@ from cli_app import create_app
 from cli_support import FAST, invoke
 from redlock_support import values_on
 
-from celery_redlock import Redlock, admin, keyspace, scripts
-from celery_redlock.owner import Owner, lock_value, run_prefix
-from celery_redlock.redlock import new_token, release_if_owner
+from celery_redlock import Redlock, admin
+from celery_redlock.lock import keyspace, scripts
+from celery_redlock.lock.owner import Owner, lock_value, run_prefix
+from celery_redlock.lock.redlock import new_token, release_if_owner
 from celery_redlock.settings import RedlockSettings
 from celery_redlock.testing import RedisNodes
 

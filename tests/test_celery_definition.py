@@ -30,8 +30,8 @@ from celery_redlock import (
     SingletonTask,
     singleton_task,
 )
-from celery_redlock.plan import LOCK_OPTIONS
-from celery_redlock.runtime import AppRuntime
+from celery_redlock.integration.plan import LOCK_OPTIONS
+from celery_redlock.integration.runtime import AppRuntime
 from celery_redlock.settings import unknown_setting_messages
 from celery_redlock.testing import RedisNodes, RedisServer
 

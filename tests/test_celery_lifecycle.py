@@ -29,9 +29,9 @@ from celery_redlock import (
     LockNotAcquired,
     Redlock,
     SingletonTask,
-    keyspace,
     singleton_task,
 )
+from celery_redlock.lock import keyspace
 from celery_redlock.testing import RedisNodes, RedisServer
 
 pytest_plugins = ["celery_apps.fixtures"]

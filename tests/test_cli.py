@@ -21,8 +21,9 @@ from cli_app import GATE, create_app
 from cli_support import FAST, as_json, invoke, run_celery
 from redlock_support import value_on, values_on, wait_until
 
-from celery_redlock import Lock, Redlock, keyspace
-from celery_redlock.owner import Owner
+from celery_redlock import Lock, Redlock
+from celery_redlock.lock import keyspace
+from celery_redlock.lock.owner import Owner
 from celery_redlock.settings import RedlockSettings
 from celery_redlock.testing import RedisNodes
 

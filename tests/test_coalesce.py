@@ -27,8 +27,9 @@ from celery_apps.support import (
 from conftest import MakeRedisNodes
 from redlock_support import collect_results_while_the_broker_is_up, values_on, wait_until
 
-from celery_redlock import DuplicateCoalesced, SingletonTask, keyspace, singleton_task
-from celery_redlock.owner import Owner, owner_text_of
+from celery_redlock import DuplicateCoalesced, SingletonTask, singleton_task
+from celery_redlock.lock import keyspace
+from celery_redlock.lock.owner import Owner, owner_text_of
 from celery_redlock.testing import RedisNodes, RedisServer
 
 pytest_plugins = ["celery_apps.fixtures"]

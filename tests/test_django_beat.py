@@ -340,7 +340,7 @@ def test_new_leader_continues_from_the_newer_of_row_and_record(
 def test_a_row_is_never_written_back_to_an_older_state(entries: Any) -> None:
     """An entry saved with an older ``last_run_at`` than its row's (a leader paused past its
     lease, writing late) leaves the row alone; a newer one is written; a disabled row is not."""
-    from celery_redlock.django_beat import LeaderModelEntry
+    from celery_redlock.beat.django import LeaderModelEntry
 
     app = Celery("django_beat_rows", set_as_current=False, config_source={"timezone": "UTC"})
     name = ENTRIES[0]

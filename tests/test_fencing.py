@@ -8,7 +8,7 @@ import threading
 import time
 
 from celery_redlock import Lock, Redlock
-from celery_redlock.redlock import FENCE_SUFFIX
+from celery_redlock.lock.redlock import FENCE_SUFFIX
 from celery_redlock.testing import RedisNodes
 
 

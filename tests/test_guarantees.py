@@ -31,10 +31,11 @@ from celery_apps.support import (
 )
 from redlock_support import value_on, values_on, wait_until
 
-from celery_redlock import DuplicateSkipped, LockLost, SingletonTask, deferral, singleton_task
-from celery_redlock import run as run_module
-from celery_redlock.messages import MESSAGE_HEADER
-from celery_redlock.owner import Owner, lock_value, owner_text_of
+from celery_redlock import DuplicateSkipped, LockLost, SingletonTask, singleton_task
+from celery_redlock.integration import deferral
+from celery_redlock.integration import run as run_module
+from celery_redlock.integration.messages import MESSAGE_HEADER
+from celery_redlock.lock.owner import Owner, lock_value, owner_text_of
 from celery_redlock.testing import RedisNodes, RedisServer
 
 pytest_plugins = ["celery_apps.fixtures"]
@@ -101,7 +102,7 @@ def test_a_split_vote_outlasting_the_wait_is_deferred_briefly_not_for_its_ttl(
     # A split vote is racing callers (settled in moments) or leftovers: the delivery comes back
     # within a second or so, not after the leftovers' whole time to live.
     monkeypatch.setattr(run_module, "IN_PROCESS_WAIT", 0.5)
-    caplog.set_level(logging.INFO, logger="celery_redlock.run")
+    caplog.set_level(logging.INFO, logger="celery_redlock.integration.run")
     app = make_app(broker, lock_nodes)
 
     @singleton_task(app=app, shared=False, bind=True, name="edge.split_long", lock_args=())

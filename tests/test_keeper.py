@@ -10,7 +10,7 @@ import pytest
 from redlock_support import wait_until
 
 from celery_redlock import Redlock
-from celery_redlock.keeper import KeptLock, LockKeeper
+from celery_redlock.lock.keeper import KeptLock, LockKeeper
 from celery_redlock.testing import RedisNodes
 
 

@@ -1,4 +1,4 @@
-"""The multiplexed nodes layer (celery_redlock.nodes) under the faults it exists to survive.
+"""The multiplexed nodes layer (celery_redlock.lock.nodes) under the faults it exists to survive.
 
 One connection per server and process carries every thread's commands, pipelined, and the
 replies are handed out in order. What must never happen is a reply given to the wrong caller: a
@@ -44,17 +44,18 @@ from celery_apps.subprocesses import (
 from celery_apps.support import RunLog, key_gone
 from redlock_support import collect_results_while_the_broker_is_up, values_on, wait_until
 
-import celery_redlock.nodes
-from celery_redlock import Redlock, keyspace, scripts
+import celery_redlock.lock.nodes
+from celery_redlock import Redlock
 from celery_redlock.errors import DuplicateSkipped
-from celery_redlock.nodes import NO_REPLY, NodeGroup, RoundResult, members_from_urls
-from celery_redlock.outcomes import Acquisition, Lock, Outcome, new_token
-from celery_redlock.owner import lock_value
-from celery_redlock.replies import acquire_judge, judge_copy, judge_zero_or_one
+from celery_redlock.lock import keyspace, scripts
+from celery_redlock.lock.nodes import NO_REPLY, NodeGroup, RoundResult, members_from_urls
+from celery_redlock.lock.outcomes import Acquisition, Lock, Outcome, new_token
+from celery_redlock.lock.owner import lock_value
+from celery_redlock.lock.replies import acquire_judge, judge_copy, judge_zero_or_one
 from celery_redlock.testing import RedisNodes, RedisServer
 
 TESTS_DIRECTORY = Path(__file__).resolve().parent
-NODES_DIRECTORY = str(Path(celery_redlock.nodes.__file__).resolve().parent)
+NODES_DIRECTORY = str(Path(celery_redlock.lock.nodes.__file__).resolve().parent)
 GREEN_SCRIPT = TESTS_DIRECTORY / "celery_apps" / "green_locks.py"
 
 MOST_CONNECTIONS_PER_NODE = 4

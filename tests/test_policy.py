@@ -1,5 +1,5 @@
-"""The run's decision table (`celery_redlock.policy.decide`), over every combination, without
-Redis: a pure function of the outcome, the holder's relation and the task's policies."""
+"""The run's decision table (`celery_redlock.integration.policy.decide`), over every combination,
+without Redis: a pure function of the outcome, the holder's relation and the task's policies."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import itertools
 
 import pytest
 
-from celery_redlock.policy import OUTCOMES, RELATIONS, Action, Situation, decide
+from celery_redlock.integration.policy import OUTCOMES, RELATIONS, Action, Situation, decide
 from celery_redlock.settings import DUPLICATE_POLICIES, UNAVAILABLE_POLICIES
 
 EVERY_SITUATION = [

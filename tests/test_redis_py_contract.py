@@ -1,11 +1,11 @@
 """What the nodes layer takes from redis-py, checked against the installed version: these tests
-fail when redis-py stops handing over what `celery_redlock.nodes.endpoint` relies on."""
+fail when redis-py stops handing over what `celery_redlock.lock.nodes.endpoint` relies on."""
 
 from __future__ import annotations
 
 import socket
 
-from celery_redlock.nodes.endpoint import Endpoint
+from celery_redlock.lock.nodes.endpoint import Endpoint
 
 
 def test_redis_py_hands_over_its_connected_socket(one_node) -> None:

@@ -15,11 +15,11 @@ from hypothesis import strategies as st
 from redlock_support import pttl_on, value_on, values_on, wait_until
 
 from celery_redlock import QuorumUnavailable, Redlock
-from celery_redlock.keeper import LockKeeper
-from celery_redlock.nodes import Endpoint
-from celery_redlock.owner import Owner, claim_prefix, lock_value, owner_text_of, run_prefix
-from celery_redlock.redlock import Acquired, Contended, Held, Unavailable, release_if_owner
-from celery_redlock.scripts import FENCE_AFTER_RELEASE_MILLISECONDS
+from celery_redlock.lock.keeper import LockKeeper
+from celery_redlock.lock.nodes import Endpoint
+from celery_redlock.lock.owner import Owner, claim_prefix, lock_value, owner_text_of, run_prefix
+from celery_redlock.lock.redlock import Acquired, Contended, Held, Unavailable, release_if_owner
+from celery_redlock.lock.scripts import FENCE_AFTER_RELEASE_MILLISECONDS
 from celery_redlock.testing import RedisNodes, RedisServer
 
 # -- error replies are not votes ----------------------------------------------------------------

@@ -14,7 +14,7 @@ from celery_apps.support import embedded_worker, make_app
 from conftest import MakeRedisNodes
 
 from celery_redlock import RedlockSettings, singleton_task
-from celery_redlock.runtime import AppRuntime
+from celery_redlock.integration.runtime import AppRuntime
 from celery_redlock.settings import redact_url
 from celery_redlock.testing import RedisServer
 

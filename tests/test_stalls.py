@@ -21,9 +21,9 @@ from redlock_support import collect_results_while_the_broker_is_up, value_on, wa
 from reply_faults import FaultyProxy
 
 from celery_redlock import QuorumUnavailable, Redlock
-from celery_redlock.nodes.resp import pack_command
-from celery_redlock.outcomes import Acquired
-from celery_redlock.scripts import RELEASE
+from celery_redlock.lock.nodes.resp import pack_command
+from celery_redlock.lock.outcomes import Acquired
+from celery_redlock.lock.scripts import RELEASE
 from celery_redlock.testing import RedisNodes, RedisServer, celery_processes
 
 NODE_TIMEOUT = 0.05  # the default

@@ -21,13 +21,14 @@ import pytest
 from redlock_support import wait_until
 from reply_faults import FaultyProxy, GatedSocket, NoisySocket
 
-from celery_redlock import Redlock, keyspace, scripts
-from celery_redlock.nodes import NO_REPLY, NodeGroup, RoundResult, members_from_urls
-from celery_redlock.nodes import endpoint as endpoint_module
-from celery_redlock.nodes.channel import Channel
-from celery_redlock.outcomes import Acquired, new_token
-from celery_redlock.redlock import reservation_of, reserve
-from celery_redlock.replies import judge_copy
+from celery_redlock import Redlock
+from celery_redlock.lock import keyspace, scripts
+from celery_redlock.lock.nodes import NO_REPLY, NodeGroup, RoundResult, members_from_urls
+from celery_redlock.lock.nodes import endpoint as endpoint_module
+from celery_redlock.lock.nodes.channel import Channel
+from celery_redlock.lock.outcomes import Acquired, new_token
+from celery_redlock.lock.redlock import reservation_of, reserve
+from celery_redlock.lock.replies import judge_copy
 from celery_redlock.settings import RedlockSettings
 from celery_redlock.testing import RedisNodes
 

@@ -29,7 +29,7 @@ from redlock_support import wait_until
 from topologies import TLSCertificates, TopologyServer
 
 from celery_redlock import QuorumUnavailable, Redlock, admin, singleton_task
-from celery_redlock.outcomes import Unavailable
+from celery_redlock.lock.outcomes import Unavailable
 from celery_redlock.testing import RedisServer
 
 NODE_TIMEOUT = 0.5

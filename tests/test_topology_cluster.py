@@ -30,11 +30,11 @@ from celery_redlock import (
     Redlock,
     SingletonTask,
     admin,
-    keyspace,
     singleton_task,
 )
-from celery_redlock.outcomes import Acquired, Held, Lock, Unavailable
-from celery_redlock.redlock import from_settings
+from celery_redlock.lock import keyspace
+from celery_redlock.lock.outcomes import Acquired, Held, Lock, Unavailable
+from celery_redlock.lock.redlock import from_settings
 from celery_redlock.settings import RedlockSettings
 from celery_redlock.testing import RedisServer
 

@@ -17,8 +17,8 @@ from topology_support import Rival, lock_managers, unique
 
 from celery_redlock import Redlock, admin
 from celery_redlock.errors import RedlockError
-from celery_redlock.nodes import sentinel
-from celery_redlock.outcomes import Acquired, Held, Unavailable
+from celery_redlock.lock.nodes import sentinel
+from celery_redlock.lock.outcomes import Acquired, Held, Unavailable
 from celery_redlock.testing import RedisServer
 
 pytestmark = pytest.mark.topology

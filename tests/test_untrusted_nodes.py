@@ -11,7 +11,7 @@ from celery_apps.support import embedded_worker, make_app
 from fake_resp import FakeRedisServer, always
 
 from celery_redlock import QuorumUnavailable, Redlock, singleton_task
-from celery_redlock.redlock import Acquired, Unavailable, acquire_judge
+from celery_redlock.lock.redlock import Acquired, Unavailable, acquire_judge
 from celery_redlock.testing import RedisNodes, RedisServer
 
 pytest_plugins = ["celery_apps.fixtures"]

@@ -41,9 +41,10 @@ from cli_support import FAST, as_json, invoke
 from conftest import MakeRedisNodes
 from redlock_support import pttls_on, values_on, wait_until
 
-from celery_redlock import Redlock, RedlockSettings, SingletonTask, admin, keyspace, testing
+from celery_redlock import Redlock, RedlockSettings, SingletonTask, admin, testing
 from celery_redlock.errors import DuplicateSkipped
-from celery_redlock.outcomes import Acquired, Held
+from celery_redlock.lock import keyspace
+from celery_redlock.lock.outcomes import Acquired, Held
 from celery_redlock.testing import RedisNodes, RedisServer
 
 PREFIX = "redlock:"

@@ -23,8 +23,9 @@ from cli_app import create_app
 from cli_support import FAST, invoke
 from redlock_support import wait_until
 
-from celery_redlock import DuplicateSkipped, Redlock, admin, keyspace, singleton_task
-from celery_redlock.outcomes import Acquired, Covered, Held, Record
+from celery_redlock import DuplicateSkipped, Redlock, admin, singleton_task
+from celery_redlock.lock import keyspace
+from celery_redlock.lock.outcomes import Acquired, Covered, Held, Record
 from celery_redlock.testing import (
     RedisNodes,
     RedisServer,

@@ -12,8 +12,8 @@ from contextlib import contextmanager
 from types import TracebackType
 
 from celery_redlock import Redlock, RedlockSettings
-from celery_redlock.outcomes import Acquired, Lock
-from celery_redlock.redlock import from_settings
+from celery_redlock.lock.outcomes import Acquired, Lock
+from celery_redlock.lock.redlock import from_settings
 
 NODE_TIMEOUT = 0.5
 """Per-node timeout of the tests' lock managers: a busy machine must not make a healthy server

@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 from redis.exceptions import AskError, MovedError, NoPermissionError, ResponseError
 from redis.exceptions import RedisError as RedisClientError
 
-from ..nodes import Endpoint, ErrorReply, LockNode
+from ..lock.nodes import Endpoint, ErrorReply, LockNode
 
 Answer = TypeVar("Answer")
 

@@ -1,8 +1,8 @@
 """The locks themselves: which are held and by whom, the key a call locks, forced release.
 
-Key names come from `celery_redlock.keyspace` only. A forced release deletes a key only when its
-name is a lock key and — checked atomically on each node, by `scripts.FORCE_RELEASE` — its value
-there is a lock value; anything else is refused by name and left alone.
+Key names come from `celery_redlock.lock.keyspace` only. A forced release deletes a key only
+when its name is a lock key and — checked atomically on each node, by `scripts.FORCE_RELEASE` —
+its value there is a lock value; anything else is refused by name and left alone.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import difflib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .. import keyspace, scripts
 from ..errors import QuorumUnavailable
-from ..redlock import legacy_key_of
-from ..runtime import AppRuntime
-from ..task import SingletonTask
+from ..integration.runtime import AppRuntime
+from ..integration.task import SingletonTask
+from ..lock import keyspace, scripts
+from ..lock.redlock import legacy_key_of
 from .fan_out import BadReply, NodeClient, ask_every_node, text
 from .reading import LockReader, unreachable_nodes
 from .records import (

@@ -4,7 +4,7 @@ A `LockReader` holds the app's settings and a `Redlock` over its nodes (with the
 timeout) and reads lock keys — those named, or every lock key under the key prefix (SCAN, never
 KEYS) — across the nodes at once. A node that is a Redis Cluster is read on every master, each
 key where the cluster keeps it, and counts as one node. Only lock keys count
-(`celery_redlock.keyspace.is_lock_key`), and only lock values (`is_lock_value`): fencing
+(`celery_redlock.lock.keyspace.is_lock_key`), and only lock values (`is_lock_value`): fencing
 counters, completion records, schedule records, keys of other types and application values under
 the prefix are never taken for locks.
 
@@ -26,12 +26,12 @@ from typing import Any
 
 from redis.exceptions import AskError, ResponseError
 
-from .. import keyspace
-from ..nodes import LockNode
-from ..outcomes import majority_holder
-from ..owner import Owner, owner_text_of
-from ..redlock import from_settings, legacy_layout
-from ..runtime import AppRuntime
+from ..integration.runtime import AppRuntime
+from ..lock import keyspace
+from ..lock.nodes import LockNode
+from ..lock.outcomes import majority_holder
+from ..lock.owner import Owner, owner_text_of
+from ..lock.redlock import from_settings, legacy_layout
 from ..settings import RedlockSettings
 from .fan_out import (
     BadReply,

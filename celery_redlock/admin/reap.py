@@ -17,10 +17,10 @@ from typing import Any
 from celery.bootsteps import CLOSE, RUN, TERMINATE
 
 from ..errors import QuorumUnavailable, RedlockError
-from ..owner import Owner
-from ..redlock import release_stored
-from ..runtime import AppRuntime
-from ..task import SingletonTask
+from ..integration.runtime import AppRuntime
+from ..integration.task import SingletonTask
+from ..lock.owner import Owner
+from ..lock.redlock import release_stored
 from . import records
 from .locks import singleton_tasks
 from .reading import FoundLock, LockReader

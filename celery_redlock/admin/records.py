@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import RedlockError
-from ..owner import Owner
+from ..lock.owner import Owner
 
 DEFAULT_TIMEOUT = 1.0
 """Seconds each node (and the workers, for control commands) gets per command by default."""

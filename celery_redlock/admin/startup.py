@@ -26,11 +26,11 @@ from typing import Any
 
 from redis.exceptions import AuthenticationError, ResponseError
 
-from .. import keyspace, scripts
-from ..nodes.cluster import ClusterNode
-from ..replies import judge_copy
+from ..integration.task import SingletonTask
+from ..lock import keyspace, scripts
+from ..lock.nodes.cluster import ClusterNode
+from ..lock.replies import judge_copy
 from ..settings import has_credentials
-from ..task import SingletonTask
 from .fan_out import BadReply, NodeAnswer, NodeClient, ServerClient, access_fix, ask_every_node
 from .reading import LockReader
 from .records import NodeStatus

@@ -25,10 +25,10 @@ from redis.exceptions import RedisError as RedisClientError
 from redis.exceptions import ResponseError
 
 from ..errors import RedlockError
-from ..nodes import LockNode
-from ..nodes.cluster import ClusterNode
-from ..nodes.sentinel import SentinelNode
-from ..redlock import legacy_layout
+from ..lock.nodes import LockNode
+from ..lock.nodes.cluster import ClusterNode
+from ..lock.nodes.sentinel import SentinelNode
+from ..lock.redlock import legacy_layout
 from ..settings import RedlockSettings, even_node_warning
 from .fan_out import (
     BadReply,

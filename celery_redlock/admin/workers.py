@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..owner import Owner
+from ..lock.owner import Owner
 from .records import LockRecord
 
 logger = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ Each takes the fence as a `Lock` (a task's ``self.lock``) or as its token, an `i
 from __future__ import annotations
 
 from ..errors import ConfigurationError, RedlockError
-from ..outcomes import Lock
+from ..lock.outcomes import Lock
 
 __all__ = ["Fence", "StaleFence", "fencing_token"]
 

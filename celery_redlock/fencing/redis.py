@@ -14,7 +14,7 @@ from typing import Any
 import redis
 from redis.exceptions import NoScriptError
 
-from ..scripts import Script
+from ..lock.scripts import Script
 from . import Fence, StaleFence, fencing_token
 
 __all__ = ["FENCED_WRITE", "FENCE_SUFFIX", "fenced_hset", "fenced_set", "stored_token"]

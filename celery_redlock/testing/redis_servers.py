@@ -25,7 +25,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from ..nodes import OwnPoolClient
+from ..lock.nodes import OwnPoolClient
 from .binaries import find_redis_server, find_valkey_server
 from .ports import HOST, free_port
 from .processes import ManagedProcess

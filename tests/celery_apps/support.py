@@ -31,8 +31,8 @@ from kombu.asynchronous import set_event_loop
 from redlock_support import values_on, wait_until
 
 from celery_apps.subprocesses import Recorder
-from celery_redlock import keyspace
 from celery_redlock import signals as lock_signals_module
+from celery_redlock.lock import keyspace
 from celery_redlock.testing import RedisNodes, RedisServer, free_port
 
 LOCK_EVENTS = "lock-events"  # the `RunLog` stream where celery_apps.prefork_app records signals
@@ -41,7 +41,7 @@ LOCK_EVENTS = "lock-events"  # the `RunLog` stream where celery_apps.prefork_app
 def documented_key(
     task_name: str, arguments: dict[str, Any] | None, prefix: str = "redlock:"
 ) -> str:
-    """The Redis key the README documents, computed independently of celery_redlock.keys:
+    """The Redis key the README documents, computed independently of celery_redlock's own code:
     prefix + task name + ':' + sha256 of the canonical JSON of the bound arguments (None:
     ``lock_args=()``, the task name alone)."""
     if arguments is None:

@@ -1,0 +1,522 @@
+"""One run of a singleton task, top to bottom (`Run.execute`), right before the body: a delivery in
+the worker — so ``delay``, ``apply_async``, ``send_task``, beat, canvas and retries are all covered
+— or a plain function call (``task(...)``), which has no message to publish again:
+
+1. the run's lock state (a fresh token, the owner text, the message's completion record) is
+   registered on the request before any SET is sent, so that whatever interrupts the acquisition,
+   the ``task_postrun`` handler (`wiring`) can release by that token;
+2. one attempt at the lock; `policy.decide` maps its outcome, the holder's relation
+   to this delivery and the task's policies to one action, which is carried out here — run, wait
+   and decide again, defer (publish this message again), acknowledge, skip, retry or raise;
+3. the body runs while the lock keeper extends the lock;
+4. the moment the body ends, `Run.finish` releases the lock (or keeps it ``lock_hold`` seconds)
+   and, where a copy of the message may still come (`messages.copy_may_come`),
+   records that this message's attempt completed, in one round — before Celery publishes
+   callbacks, the next chain step or a chord's body, which may need the same lock.
+
+Nothing acknowledges a message without running its body unless the body ran (the record says
+so), will run from a message published first (a deferral), or a policy the user chose skipped a
+true duplicate.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from celery import states
+from celery.exceptions import Ignore, Reject, Retry
+
+from .. import signals
+from ..errors import (
+    AlreadyCompleted,
+    DuplicateSkipped,
+    LockNotAcquired,
+    QuorumUnavailable,
+    RedlockError,
+)
+from ..lock import keyspace
+from ..lock.keeper import KeptLock
+from ..lock.outcomes import Acquired, Contended, Held, Lock, Outcome, Record, Unavailable, new_token
+from ..lock.owner import Owner, claim_prefix, describe_holder
+from ..lock.redlock import jittered
+from . import events
+from .coalesce import coalesce
+from .deferral import DeferralNotPublished, publish_again, wait_instead
+from .messages import copy_may_come, message_field
+from .plan import TaskPlan
+from .policy import Action, Situation, decide, outcome_name, relation_of
+
+logger = logging.getLogger(__name__)
+
+RUN_ATTRIBUTE = "celery_redlock_run"
+"""The task request attribute holding the current delivery's `Run`."""
+
+IN_PROCESS_WAIT = 5.0
+"""Seconds a continuation waits for its predecessor's release, or a split vote for a decision,
+before the message is deferred (published again with a countdown) to free the pool process."""
+
+SPLIT_VOTE_DEFERRAL = 1.0
+"""The longest countdown of a delivery deferred because no majority agreed on a holder."""
+
+UNAVAILABLE_PATIENCE = 10.0
+"""Seconds a run waits in its pool process for a quorum of lock nodes before it is deferred."""
+
+UNAVAILABLE_LONGEST_PAUSE = 0.5
+"""The longest pause between two attempts while no quorum answers (jittered up to 0.75 s): with
+the nodes' own back-off of at most 0.5 s, runs start within about a second of their return."""
+
+UNAVAILABLE_SINCE_HEADER = "celery_redlock_unavailable_since"
+"""Message header: when a run first found no quorum (``redlock_unavailable_timeout`` counts
+from then, across deferrals)."""
+
+# A body that ended in one of these ran: a redelivered copy of the same message must not run.
+# REJECTED is not among them: a rejected message may be queued again, and must then run.
+COMPLETED_STATES = frozenset({states.SUCCESS, states.FAILURE, states.RETRY, states.IGNORED})
+
+
+class Run:
+    """One delivery of a singleton task: its lock from the moment its token exists to its
+    release. Until `kept` is set the acquisition is under way: the token is known but the lock
+    may or may not be held, and `finish` releases it by that token."""
+
+    def __init__(self, task: Any, plan: TaskPlan, request: Any, resource: str) -> None:
+        self.task = task
+        self.plan = plan
+        self.request = request
+        self.runtime = plan.runtime
+        self.task_id: str | None = request.id
+        self.can_publish = not request.called_directly  # a plain call has no message
+        self.attempt_rank = (request.replaced_task_nesting or 0, request.retries or 0)
+        facts = events.worker_facts(task.app)
+        worker = facts.name if facts is not None else request.hostname
+        nesting, retries = self.attempt_rank
+        owner = plan.owner_texts.text(request.id, retries, nesting, worker)
+        key = self.runtime.redlock.key_for(resource)
+        self.lock = Lock(resource, key, new_token(), validity=0.0, ttl=plan.ttl, owner=owner)
+        self.record: Record | None = None  # checked by every attempt
+        self.writes_record = False  # written by the release once the body ran
+        completed_ttl = self.runtime.settings.completed_ttl
+        if request.id and not request.is_eager and completed_ttl > 0:
+            field = message_field(task.name, request)
+            record_key = keyspace.records_key(key, request.id)
+            self.record = Record(record_key, field, self.attempt_rank, completed_ttl)
+            self.writes_record = copy_may_come(task.acks_late, request, completed_ttl)
+        self.hold = plan.hold
+        self.started = time.monotonic()
+        self.kept: KeptLock | None = None
+
+    # -- the run, top to bottom --------------------------------------------------------------
+
+    def execute(
+        self, args: Sequence[Any], kwargs: dict[str, Any], body: Callable[[], Any] | None = None
+    ) -> Any:
+        """Take the lock, run the body, release: the whole run (see the module docstring).
+        ``body`` runs the task (default: its ``run`` with ``args`` and ``kwargs``). A plain call
+        that skipped a duplicate returns None."""
+        if body is None:
+            run, body = self.task.run, lambda: run(*args, **kwargs)
+        setattr(self.request, RUN_ATTRIBUTE, self)
+        try:
+            lock = self.take_lock()
+        except Ignore:
+            self.forget()  # a decision: every round was released
+            if self.can_publish:
+                raise
+            return None  # a plain call skipped as a duplicate
+        except (Reject, Retry, RedlockError):
+            self.forget()
+            raise
+        if lock is None:  # on_unavailable="run": documented as unguarded
+            self.forget()
+            return body()
+        self.hold_while_running(lock)
+        state = states.FAILURE
+        try:
+            result = body()
+            state = states.SUCCESS
+            return result
+        except BaseException as error:
+            state = state_after(error)
+            raise
+        finally:
+            self.finish(state)
+
+    def take_lock(self) -> Lock | None:
+        """The lock to run with, None to run unguarded, or the decision raised: `Ignore`
+        (acknowledged, skipped, deferred), `Retry`, or an error."""
+        outcome = self.attempt()
+        may_wait = True  # one wait per delivery; after it, the fallback applies
+        while True:
+            holder = Owner.parse(outcome.holder) if isinstance(outcome, Held) else None
+            relation = relation_of(holder, self.request)
+            action = decide(
+                Situation(
+                    outcome_name(outcome),
+                    relation,
+                    self.plan.on_duplicate,
+                    self.plan.on_unavailable,
+                    may_wait,
+                    bool(self.request.is_eager),
+                    self.can_publish,
+                )
+            )
+            if action is Action.RUN:
+                assert isinstance(outcome, Acquired)
+                return outcome.lock
+            if action is Action.RUN_UNGUARDED:
+                self.report_unavailable(outcome)
+                logger.warning(
+                    "task %s[%s] runs WITHOUT its lock (on_unavailable='run'): %s",
+                    self.task.name,
+                    self.task_id,
+                    error_of(outcome),
+                )
+                return None
+            if action is Action.ACKNOWLEDGE:
+                raise self.acknowledge()
+            if action in (Action.DEFER, Action.RETRY):
+                try:
+                    if action is Action.RETRY:
+                        raise self.retry(outcome, holder)
+                    raise self.defer_past(outcome, relation, holder)
+                except DeferralNotPublished as failure:
+                    outcome = wait_instead(self, outcome, failure)
+                    continue
+            if action is Action.RAISE:
+                if isinstance(outcome, Unavailable):
+                    self.report_unavailable(outcome)
+                    raise outcome.error
+                self.report_duplicate("raise", holder)
+                raise LockNotAcquired(self.lock.key, self.holder_text(outcome))
+            if action is Action.SKIP:
+                self.report_duplicate("skip", holder)
+                logger.info(
+                    "task %s[%s] skipped: lock %s is held by %s",
+                    self.task.name,
+                    self.task_id,
+                    self.lock.key,
+                    self.holder_text(outcome),
+                )
+                raise self.skip(DuplicateSkipped(self.lock.key, self.holder_text(outcome)))
+            if action is Action.WAIT:
+                outcome = self.wait(outcome, relation, holder)
+                may_wait = False
+            elif action is Action.WAIT_FOR_NODES:
+                assert isinstance(outcome, Unavailable)
+                outcome = self.wait_for_nodes(outcome)
+            else:
+                assert action is Action.COALESCE
+                try:
+                    outcome = coalesce(self, self.holder_text(outcome))
+                except DeferralNotPublished as failure:
+                    outcome = wait_instead(self, outcome, failure)
+                may_wait = False
+
+    def attempt(self, wait: float = 0.0, rounds: int | None = None) -> Outcome:
+        """One attempt for this run, waiting up to ``wait`` seconds for the holder to go (an
+        infinite ``wait`` waits as long as it takes), of at most ``rounds`` rounds."""
+        replaces = claim_prefix(self.task_id) if self.plan.replaces_claims and self.task_id else ""
+        return self.runtime.redlock.attempt(
+            self.lock.resource,
+            self.plan.ttl,
+            self.lock.owner,
+            wait=wait,
+            token=self.lock.token,
+            replaces=replaces,
+            record=self.record,
+            rounds=rounds,
+        )
+
+    def hold_while_running(self, lock: Lock) -> None:
+        """Keep the acquired lock alive while the body runs (never past its hard time limit, which
+        only a worker enforces)."""
+        hard_limit = self.plan.time_limits(self.request)[0] if self.can_publish else None
+        deadline = None if hard_limit is None else time.monotonic() + hard_limit
+        task, task_id = self.task, self.task_id
+
+        def on_lost(kept: KeptLock) -> None:
+            events.report(
+                task, signals.lock_lost, task_id, key=kept.lock.key, reason=kept.lost_reason
+            )
+
+        waited = time.monotonic() - self.started
+        self.lock = lock
+        self.started = time.monotonic()
+        self.kept = self.runtime.keeper.keep(lock, on_lost, deadline, self.plan.auto_extend)
+        events.report(
+            task,
+            signals.lock_acquired,
+            task_id,
+            key=lock.key,
+            waited=waited,
+            fencing_token=lock.fencing_token,
+        )
+
+    def finish(self, state: str) -> bool:
+        """End the run's lock: release it (or keep it ``lock_hold`` more seconds, never on
+        RETRY), record that this message's attempt completed when the body ran and a copy may
+        come, and report it. Returns whether a majority confirmed the lock was still held.
+        Called again after an interruption (by the ``task_postrun`` handler), it finishes what
+        is left."""
+        kept = self.kept
+        if kept is not None:
+            self.runtime.keeper.stop(kept)
+        records = self.writes_record and kept is not None and state in COMPLETED_STATES
+        reported = kept is not None and events.listening(self.task, signals.lock_released)
+        released = False
+        try:
+            # Sent even for a lock known to be lost: copies may still be on some nodes. Only a
+            # receiver of lock_released (or a monitor) needs the answer; otherwise the run does
+            # not wait for it (the next command this process sends a node runs after it).
+            released = self.runtime.redlock.release(
+                self.lock,
+                hold=self.hold if state != states.RETRY else 0.0,
+                record=self.record if records else None,
+                confirm=reported,
+            )
+        except RedlockError as error:
+            logger.warning(
+                "releasing lock %s failed (it expires by itself): %s", self.lock.key, error
+            )
+        self.forget()
+        if kept is None:
+            return released
+        if kept.is_lost:
+            logger.error(
+                "task %s[%s] finished after losing its lock %s (%s)",
+                self.task.name,
+                self.task_id,
+                self.lock.key,
+                kept.lost_reason,
+            )
+        if reported:
+            events.report(
+                self.task,
+                signals.lock_released,
+                self.task_id,
+                key=self.lock.key,
+                state=state,
+                held=time.monotonic() - self.started,
+                released=released and not (self.hold and state != states.RETRY),
+            )
+        return released
+
+    def forget(self) -> None:
+        """Take the run off its request: nothing is left for ``task_postrun`` to release."""
+        if getattr(self.request, RUN_ATTRIBUTE, None) is self:
+            setattr(self.request, RUN_ATTRIBUTE, None)
+
+    # -- waiting -----------------------------------------------------------------------------
+
+    def wait(self, outcome: Outcome, relation: str, holder: Owner | None) -> Outcome:
+        """Wait in this process for the holder to release (or a split vote to resolve), then
+        attempt again: a true duplicate for ``lock_wait`` seconds, anyone else briefly."""
+        if isinstance(outcome, Held) and relation == "other":
+            self.report_duplicate("wait", holder)
+            return self.attempt(wait=self.plan.wait)
+        if isinstance(outcome, Held):
+            return self.attempt(wait=min(outcome.expires_in, IN_PROCESS_WAIT))
+        return self.attempt(wait=min(self.plan.ttl, IN_PROCESS_WAIT))
+
+    def wait_for_nodes(self, outcome: Unavailable) -> Outcome:
+        """No quorum answered (``on_unavailable="retry"``): wait for one — in this process for a
+        while, then deferred — without spending the task's retries, until
+        ``redlock_unavailable_timeout`` (counted from the first time this call found no quorum)
+        fails the task loudly. Returns the first outcome that is not `Unavailable`."""
+        request = self.request
+        self.report_unavailable(outcome)
+        since = float((request.headers or {}).get(UNAVAILABLE_SINCE_HEADER) or time.time())
+        timeout = self.runtime.settings.unavailable_timeout
+        patience_ends = time.monotonic() + self.patience()
+        logger.warning(
+            "task %s[%s] waits for a quorum of lock nodes: %s",
+            self.task.name,
+            self.task_id,
+            outcome.error,
+        )
+        pause = 0.05
+        while True:
+            if timeout is not None and time.time() - since >= timeout:
+                logger.error(
+                    "task %s[%s] failed: no quorum of lock nodes for %.0fs "
+                    "(redlock_unavailable_timeout): %s",
+                    self.task.name,
+                    self.task_id,
+                    time.time() - since,
+                    outcome.error,
+                )
+                raise outcome.error
+            if time.monotonic() >= patience_ends:
+                headers = {UNAVAILABLE_SINCE_HEADER: since}
+                try:
+                    raise self.defer(UNAVAILABLE_LONGEST_PAUSE, "no quorum of lock nodes", headers)
+                except DeferralNotPublished as failure:
+                    return wait_instead(self, outcome, failure)
+            time.sleep(jittered(pause))
+            pause = min(pause * 2, UNAVAILABLE_LONGEST_PAUSE)
+            # One round per try: this loop is the retry, and each round waits for the probes of
+            # nodes that were down (one node timeout), so the first try after their return wins.
+            next_outcome = self.attempt(rounds=1)
+            if not isinstance(next_outcome, Unavailable):
+                return next_outcome
+            outcome = next_outcome
+
+    def patience(self) -> float:
+        """How long this run may wait in its process for lock nodes: well within its limits."""
+        limits = [limit for limit in self.plan.time_limits(self.request) if limit]
+        return min([UNAVAILABLE_PATIENCE, *(limit / 2 for limit in limits)])
+
+    # -- decisions that end a delivery without running it ----------------------------------
+
+    def acknowledge(self) -> Ignore:
+        """This very message ran already (the broker delivered it again): acknowledge it without
+        running it. The first run's stored result stays; a caller or monitor that knows no final
+        state for the id (a forgotten result) gets one: REVOKED, with `AlreadyCompleted`."""
+        task, request = self.task, self.request
+        logger.info(
+            "task %s[%s] already ran (this message, attempt %s); not running it again",
+            task.name,
+            self.task_id,
+            self.record.rank_text if self.record else "?",
+        )
+        self.report_duplicate("completed", None)
+        if self.stores_results():
+            with contextlib.suppress(NotImplementedError):  # no result backend configured
+                if task.backend.get_state(request.id) == states.PENDING:
+                    error = AlreadyCompleted(self.lock.key, request.id)
+                    task.backend.store_result(request.id, error, states.REVOKED, request=request)
+        events.announce_revoked(task, request.id)
+        return Ignore()
+
+    def defer_past(self, outcome: Outcome, relation: str, holder: Owner | None) -> Ignore:
+        """Defer this delivery until the holder is gone (or a split vote is over)."""
+        if isinstance(outcome, Contended):
+            # Racing callers settle in moments and leftovers expire in retry_in: come back soon.
+            countdown = min(outcome.retry_in, SPLIT_VOTE_DEFERRAL)
+            return self.defer(countdown, "no majority agreed on a holder")
+        assert isinstance(outcome, Held)
+        if relation == "continuation":
+            return self.defer(outcome.expires_in + 0.1, "its predecessor still holds the lock")
+        # The broker delivered this attempt again while a copy of it holds the lock (a visibility
+        # timeout, a lost connection, a dead host), or the application sent the same task id
+        # again: run it once the holder is gone — or acknowledge it then, if the record says
+        # this very message completed.
+        self.report_duplicate("redelivered", holder)
+        return self.defer(outcome.expires_in + 0.1, f"a copy of it holds the lock ({holder})")
+
+    def defer(self, countdown: float, why: str, headers: dict[str, Any] | None = None) -> Ignore:
+        """Publish this very message again to run after ``countdown`` seconds, and end this
+        delivery: the work lives on in the new message. Raises `DeferralNotPublished` when the
+        broker does not take it (the delivery goes on: `deferral.wait_instead`)."""
+        if self.request.is_eager:
+            raise LockNotAcquired(self.lock.key, why)
+        try:
+            countdown = self.publish_again(countdown, headers)
+        except Exception as error:  # the broker refused it, or could not be reached
+            raise DeferralNotPublished(why, error) from error
+        logger.info(
+            "task %s[%s] deferred by %.1fs: %s", self.task.name, self.task_id, countdown, why
+        )
+        return Ignore()
+
+    def publish_again(self, countdown: float, headers: dict[str, Any] | None = None) -> float:
+        """Publish this very message again to run after about ``countdown`` seconds (see
+        `deferral.publish_again`); returns the countdown used. A run that goes on
+        after this (a pending coalesced run's insurance copy) records itself when its body ran,
+        so that the copy is acknowledged when it comes."""
+        self.writes_record = True
+        return publish_again(self.task, self.request, countdown, headers)
+
+    def skip(self, skipped: DuplicateSkipped) -> Ignore:
+        """Store the skip so a caller waiting on the result gets an answer instead of a hang,
+        and count it for a chord the run belongs to, so the chord never waits for ever.
+
+        Celery treats only SUCCESS, FAILURE and REVOKED as finished; REVOKED ("will not run") is
+        the one that fits, with `DuplicateSkipped` as the result ``AsyncResult.get()`` raises.
+        """
+        task, request = self.task, self.request
+        if request.is_eager or not self.can_publish:
+            return Ignore()
+        with contextlib.suppress(NotImplementedError):  # no result backend configured
+            if self.stores_results():
+                task.backend.store_result(request.id, skipped, states.REVOKED, request=request)
+            if request.chord:
+                task.backend.on_chord_part_return(request, states.REVOKED, skipped)
+        events.announce_revoked(task, request.id)
+        return Ignore()
+
+    def retry(self, outcome: Outcome, holder: Owner | None) -> Retry:
+        """Celery's retry, backing off exponentially from one second, never beyond the holder's
+        remaining lock life. Raises `DeferralNotPublished` when the broker does not take it."""
+        assert isinstance(outcome, Held)
+        self.report_duplicate("retry", holder)
+        holder_text = self.holder_text(outcome)
+        backoff = 2.0 ** (self.request.retries or 0)
+        countdown = jittered(max(min(outcome.expires_in, backoff), 0.1))
+        logger.info(
+            "task %s[%s] retrying in %.1fs: lock %s is held by %s",
+            self.task.name,
+            self.task_id,
+            countdown,
+            self.lock.key,
+            holder_text,
+        )
+        try:
+            retried: Retry = self.task.retry(
+                exc=LockNotAcquired(self.lock.key, holder_text), countdown=countdown
+            )
+        except Reject as rejected:  # Celery's answer when the broker did not take the retry
+            raise DeferralNotPublished("retrying", rejected.reason) from rejected
+        return retried
+
+    # -- reports -----------------------------------------------------------------------------
+
+    def stores_results(self) -> bool:
+        """Whether this delivery's results are stored (neither the task nor the call ignores
+        them)."""
+        return not (self.task.ignore_result or getattr(self.request, "ignore_result", False))
+
+    def holder_text(self, outcome: Outcome) -> str:
+        """A human description of whoever holds the lock in ``outcome``."""
+        return describe_holder(outcome.holder if isinstance(outcome, Held) else None)
+
+    def report_duplicate(self, policy: str, holder: Owner | None) -> None:
+        """Report (signal, event) what this delivery did about a lock it did not get."""
+        events.report(
+            self.task,
+            signals.lock_duplicate,
+            self.task_id,
+            key=self.lock.key,
+            policy=policy,
+            holder=holder.to_json() if holder is not None else None,
+        )
+
+    def report_unavailable(self, outcome: Outcome) -> None:
+        """Report that no quorum of lock nodes answered this delivery."""
+        events.report(
+            self.task,
+            signals.lock_unavailable,
+            self.task_id,
+            key=self.lock.key,
+            policy=self.plan.on_unavailable,
+        )
+
+
+def error_of(outcome: Outcome) -> QuorumUnavailable | None:
+    """The error of an `Unavailable` outcome, else None."""
+    return outcome.error if isinstance(outcome, Unavailable) else None
+
+
+def state_after(error: BaseException) -> str:
+    """The Celery state a body that raised ``error`` ends in."""
+    if isinstance(error, Retry):
+        return str(states.RETRY)
+    if isinstance(error, Ignore):
+        return str(states.IGNORED)
+    if isinstance(error, Reject):
+        return str(states.REJECTED)
+    return str(states.FAILURE)

@@ -1,0 +1,161 @@
+"""`SingletonTask` and `singleton_task`: Celery tasks that run at most once at a time per key.
+
+The task class holds the lock options and what users call; one run, top to bottom — a worker's
+delivery or a plain function call — is `run.Run`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+from celery import Task, shared_task
+from celery.platforms import EX_FAILURE
+
+from .. import signals
+from ..errors import ConfigurationError, RedlockError
+from ..lock.outcomes import Lock
+from . import enqueue, events
+from .keys import LockKey
+from .plan import PLAN_ATTRIBUTE, TaskPlan, check_class_options, make_plan
+from .process_loss import LockAwareRequest
+from .run import RUN_ATTRIBUTE, Run
+
+logger = logging.getLogger(__name__)
+
+
+class SingletonTask(Task):  # type: ignore[misc]
+    """A Celery task that holds a Redlock, keyed by its name and arguments, while it runs.
+
+    Lock options are class attributes (or ``app.task(base=SingletonTask, ...)`` /
+    ``@singleton_task(...)`` keyword arguments); ``None`` means "use the app's setting".
+    Options are checked when the task is defined, and against the settings when the worker
+    starts (a worker with a bad option or setting refuses to start).
+    """
+
+    abstract = True
+    # Frees the lock from the worker's main process when the process running the task is lost.
+    Request = LockAwareRequest
+
+    lock_ttl: ClassVar[float | None] = None
+    lock_auto_extend: ClassVar[bool | None] = None
+    lock_args: ClassVar[Sequence[str] | None] = None
+    lock_key: ClassVar[LockKey] = None
+    on_duplicate: ClassVar[str | None] = None
+    on_unavailable: ClassVar[str | None] = None
+    lock_wait: ClassVar[float | None] = None
+    lock_hold: ClassVar[float] = 0.0
+    lock_on_enqueue: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        check_class_options(cls)
+
+    @property
+    def lock_plan(self) -> TaskPlan:
+        """This task's lock options with the app's settings applied (validated on first use)."""
+        plan: TaskPlan | None = self.__dict__.get(PLAN_ATTRIBUTE)
+        if plan is None:
+            plan = self.__dict__[PLAN_ATTRIBUTE] = make_plan(self)
+        return plan
+
+    def lock_key_for(self, *args: Any, **kwargs: Any) -> str:
+        """The Redis key a call with these arguments locks (under the key prefix)."""
+        plan = self.lock_plan
+        return plan.runtime.redlock.key_for(plan.resource(args, kwargs))
+
+    @property
+    def lock(self) -> Lock | None:
+        """The `Lock` held by the current run, or None."""
+        run: Run | None = getattr(self.request, RUN_ATTRIBUTE, None)
+        return run.lock if run is not None and run.kept is not None else None
+
+    def extend_lock(self, ttl: float | None = None) -> bool:
+        """Extend the current run's lock now (to ``ttl`` seconds, default the lock ttl).
+
+        Returns True once a majority extended it, False when no majority answered but the lock
+        is still valid; raises `LockLost` when the lock is gone, so a long task can stop at its
+        next step. Never extends past the run's hard time limit.
+        """
+        run: Run | None = getattr(self.request, RUN_ATTRIBUTE, None)
+        if run is None or run.kept is None:
+            raise RedlockError(
+                f"{self.name}.extend_lock() was called outside a run that holds a lock; call it "
+                "from the task body (a bound task: bind=True) while the run holds its lock"
+            )
+        extended = run.runtime.keeper.extend_now(run.kept, ttl)
+        if extended:
+            key, validity = run.lock.key, run.lock.validity
+            events.report(self, signals.lock_extended, run.task_id, key=key, validity=validity)
+        return extended
+
+    def start_strategy(self, app: Any, consumer: Any, **kwargs: Any) -> Any:
+        """Check the settings and this task's options when the worker starts (in its main
+        process): an error here stops the worker instead of failing every run later, with one
+        log line that names the setting and the fix."""
+        try:
+            self.lock_plan.runtime.check_nodes()
+        except ConfigurationError as error:
+            logger.critical("celery_redlock configuration error, the worker stops: %s", error)
+            # Celery logs any other exception with a traceback that buries the message.
+            raise SystemExit(EX_FAILURE) from None
+        return super().start_strategy(app, consumer, **kwargs)
+
+    def apply_async(
+        self,
+        args: Sequence[Any] | None = None,
+        kwargs: dict[str, Any] | None = None,
+        task_id: str | None = None,
+        **options: Any,
+    ) -> Any:
+        """Queue the task; with ``lock_on_enqueue``, return the queued or running call's
+        ``AsyncResult`` instead of queueing a duplicate (`enqueue`).
+
+        Retries, replacements and other continuations are always queued, and so are calls with
+        callbacks, errbacks or chord options (answering them with another call's result would
+        drop those). When no quorum answers, the call is queued and the run lock guards it.
+        """
+        if not enqueue.needs_claim(self, options):
+            return super().apply_async(args, kwargs, task_id=task_id, **options)
+        found = enqueue.claim(self, args, kwargs, task_id, options)
+        if found.existing_id is not None:
+            return self.AsyncResult(found.existing_id)
+        try:
+            return super().apply_async(args, kwargs, task_id=found.task_id, **options)
+        except BaseException:
+            if found.lock is not None:  # never queued: later calls must not get this id back
+                with contextlib.suppress(RedlockError):
+                    self.lock_plan.runtime.redlock.release(found.lock)
+            raise
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        plan = self.lock_plan
+        if not self.request.called_directly:
+            return Run(self, plan, self.request, plan.resource(args, kwargs)).execute(args, kwargs)
+        # A plain function call: a request of its own holds the run (Celery's default request
+        # is shared by threads), and Celery's own __call__ runs the body, which sees it.
+        self.push_request(args=args, kwargs=kwargs)
+        try:
+            run = Run(self, plan, self.request, plan.resource(args, kwargs))
+            body = super().__call__
+            return run.execute(args, kwargs, lambda: body(*args, **kwargs))
+        finally:
+            self.pop_request()
+
+
+def singleton_task(*args: Any, app: Any = None, **options: Any) -> Any:
+    """Like ``celery.shared_task`` (or ``app.task`` with ``app=``), making a `SingletonTask`.
+
+    Works bare (``@singleton_task``) and with options; every Celery task option passes through,
+    and the lock options (``lock_ttl``, ``lock_args``, ``on_duplicate``, ...) are accepted too.
+    """
+    base = options.setdefault("base", SingletonTask)
+    if not (isinstance(base, type) and issubclass(base, SingletonTask)):
+        raise ConfigurationError(
+            f"singleton_task(base={base!r}): the base must be SingletonTask or a subclass of it"
+        )
+    if app is None:
+        return shared_task(*args, **options)
+    return app.task(*args, **options)

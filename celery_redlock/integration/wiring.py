@@ -1,0 +1,68 @@
+"""The signal handlers through which celery_redlock hooks into Celery besides the task's own
+``__call__``; `connect`, called when the package is imported, makes the connections — the
+package's only module-level state:
+
+- ``before_task_publish``: every new task message gets its identity (`messages`);
+- ``task_postrun``, which fires for every outcome: releases whatever a run left registered on
+  its request — an acquisition interrupted between sending and deciding (a soft time limit, a
+  signal), or a release interrupted itself. Normally a run has released the moment its body
+  ended (`run`);
+- ``worker_init``, in the worker's main process: remember the worker's name and whether it sends
+  events (`events`), and start the reaper timer when ``redlock_reap_interval`` is
+  set (`celery_redlock.admin.reap`);
+- ``worker_ready``, in the worker's main process just before Celery logs "ready": the start-up
+  report on the lock nodes (`celery_redlock.admin.startup`).
+
+Lost pool processes are handled by the request class, `process_loss`
+(`LockAwareRequest`, importable from here too, as in 0.2).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery import signals as celery_signals
+from celery import states
+
+from ..admin.reap import start_reaper_thread
+from ..admin.startup import report_lock_nodes
+from .events import remember_worker
+from .messages import name_message
+from .process_loss import LockAwareRequest
+from .run import RUN_ATTRIBUTE, Run
+
+__all__ = ["LockAwareRequest", "connect", "release_leftovers", "start_reaper"]
+
+
+def release_leftovers(sender: Any = None, task: Any = None, state: str = "", **_: Any) -> None:
+    """``task_postrun`` handler: finish what the run that just ended left registered."""
+    task = task or sender
+    run: Run | None = getattr(getattr(task, "request", None), RUN_ATTRIBUTE, None)
+    if run is not None:
+        run.finish(state or states.FAILURE)
+
+
+def start_reaper(sender: Any = None, **_: Any) -> None:
+    """``worker_init`` handler: start the reaper timer of the worker's app, if it has one."""
+    app = getattr(sender, "app", None)
+    if app is not None:
+        start_reaper_thread(app, sender)
+
+
+def connect() -> None:
+    """Connect the handlers (once: Celery's dispatch uids make it idempotent)."""
+    celery_signals.before_task_publish.connect(
+        name_message, weak=False, dispatch_uid="celery_redlock.name_message"
+    )
+    celery_signals.task_postrun.connect(
+        release_leftovers, weak=False, dispatch_uid="celery_redlock.release_leftovers"
+    )
+    celery_signals.worker_init.connect(
+        remember_worker, weak=False, dispatch_uid="celery_redlock.remember_worker"
+    )
+    celery_signals.worker_init.connect(
+        start_reaper, weak=False, dispatch_uid="celery_redlock.start_reaper"
+    )
+    celery_signals.worker_ready.connect(
+        report_lock_nodes, weak=False, dispatch_uid="celery_redlock.report_lock_nodes"
+    )

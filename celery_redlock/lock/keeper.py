@@ -1,0 +1,205 @@
+"""The lock keeper: extends the locks of running task bodies from one thread per process and app.
+
+Every held lock is extended when a third of its validity has passed, never past the run's hard
+time limit. When an extension fails for good — a majority says the token is gone, or no quorum
+answers before the validity runs out — the lock is marked lost and the caller's ``on_lost``
+callback runs, so the task is told instead of working on without a lock. The thread dies with
+its process (a killed prefork child stops extending; the ttl then frees the lock).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..errors import LockLost, RedlockError
+from .outcomes import Lock
+from .redlock import Redlock, drift, settings_of
+
+logger = logging.getLogger(__name__)
+
+IDLE_SECONDS = 2.0
+"""How long the keeper thread waits with nothing to extend before it ends."""
+
+
+@dataclass(eq=False, slots=True)
+class KeptLock:
+    """A lock under the keeper's care, with why it was lost if it was."""
+
+    lock: Lock
+    hard_deadline: float | None
+    on_lost: Callable[[KeptLock], None]
+    lost_reason: str = ""
+    stopped: bool = False
+    next_at: float = 0.0
+    guard: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def is_lost(self) -> bool:
+        """True once the lock is known to be gone."""
+        return bool(self.lost_reason)
+
+
+class LockKeeper:
+    """Extends the locks of running tasks from a background thread (started lazily per process)."""
+
+    def __init__(self, redlock: Redlock) -> None:
+        self.redlock = redlock
+        self._queue: list[tuple[float, int, KeptLock]] = []
+        self._order = itertools.count()
+        self._wakeup = threading.Condition(threading.Lock())
+        self._thread: threading.Thread | None = None
+        self._pid = os.getpid()
+        self._stopped_in_queue = 0
+        self._sleeping_until = 0.0  # until when the thread sleeps (0: none sleeps)
+
+    def _this_process(self) -> None:
+        """Start afresh in a forked child: the parent's thread is not there, and its condition
+        may have been held by that thread at the fork."""
+        if self._pid != os.getpid():
+            self._wakeup = threading.Condition(threading.Lock())
+            self._queue = []
+            self._thread = None
+            self._stopped_in_queue = 0
+            self._sleeping_until = 0.0
+            self._pid = os.getpid()
+
+    def keep(
+        self,
+        lock: Lock,
+        on_lost: Callable[[KeptLock], None],
+        hard_deadline: float | None = None,
+        auto_extend: bool = True,
+    ) -> KeptLock:
+        """Start caring for ``lock``; with ``auto_extend`` it is extended until `stop`."""
+        kept = KeptLock(lock, hard_deadline, on_lost)
+        if auto_extend:
+            self._schedule(kept, time.monotonic() + lock.validity / 3)
+        return kept
+
+    def stop(self, kept: KeptLock) -> None:
+        """Stop extending; returns after any extension in flight has finished."""
+        with kept.guard:
+            kept.stopped = True
+        self._this_process()
+        with self._wakeup:
+            # Short runs stop long before their first extension is due: drop their entries in
+            # bulk, or the thread wakes up once per finished run, a third of a ttl later.
+            # The count is an estimate (a lock kept without extension has no entry, and the
+            # thread takes stopped entries out unannounced): it only decides when to look, and
+            # only entries found stopped are dropped. When it reaches the queue's length, the
+            # queue may hold nothing live: the thread, finding it empty when it wakes (it is
+            # not woken for that), goes idle and ends (see `_run`).
+            self._stopped_in_queue += 1
+            queued = len(self._queue)
+            if self._stopped_in_queue >= queued or self._stopped_in_queue > max(16, queued // 2):
+                self._queue = [entry for entry in self._queue if not entry[2].stopped]
+                heapq.heapify(self._queue)
+                self._stopped_in_queue = 0
+
+    def extend_now(self, kept: KeptLock, ttl: float | None = None) -> bool:
+        """Extend immediately: True if a majority extended it, False if not (no quorum answered
+        but the lock is still valid); raises `LockLost` when the lock is gone (or was lost
+        before). A loss found here is reported like one found by the extension thread."""
+        with kept.guard:
+            if kept.is_lost:
+                raise LockLost(kept.lock.key, kept.lost_reason)
+            extended = self._extend(kept, ttl)
+            if kept.is_lost:
+                self._report_lost(kept)
+                raise LockLost(kept.lock.key, kept.lost_reason)
+            return extended
+
+    def _schedule(self, kept: KeptLock, when: float) -> None:
+        kept.next_at = when
+        self._this_process()
+        with self._wakeup:
+            if self._thread is None:  # none yet, idle and ended, or left in the parent (above)
+                self._thread = threading.Thread(
+                    target=self._run, name="celery-redlock-keeper", daemon=True
+                )
+                self._thread.start()
+            heapq.heappush(self._queue, (when, next(self._order), kept))
+            if when < self._sleeping_until:  # wake the thread only if it would sleep past this
+                self._wakeup.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._wakeup:
+                while not self._queue or self._queue[0][0] > time.monotonic():
+                    if self._queue:
+                        self._sleeping_until = self._queue[0][0]
+                        self._wakeup.wait(self._sleeping_until - time.monotonic())
+                        continue
+                    self._sleeping_until = time.monotonic() + IDLE_SECONDS
+                    if not self._wakeup.wait(IDLE_SECONDS) and not self._queue:
+                        # Nothing to extend for a while: the thread ends (the next lock kept
+                        # starts another), so that it does not keep a dropped lock manager
+                        # and its connections alive for ever.
+                        self._thread = None
+                        self._sleeping_until = 0.0
+                        return
+                self._sleeping_until = 0.0  # awake: whoever schedules need not wake it
+                _, _, kept = heapq.heappop(self._queue)
+            with kept.guard:
+                if kept.stopped or kept.is_lost:
+                    continue
+                if kept.next_at > time.monotonic():
+                    # Extended by hand meanwhile: come back when that extension is a third old.
+                    self._schedule(kept, kept.next_at)
+                    continue
+                try:
+                    self._extend(kept, None)
+                except Exception:  # the keeper must never die silently
+                    logger.exception("extending lock %s failed", kept.lock.key)
+                    kept.lost_reason = "the extension raised an unexpected error"
+                if kept.is_lost:
+                    self._report_lost(kept)
+                    continue
+                if kept.next_at != float("inf"):  # inf: the run's hard time limit is reached
+                    self._schedule(kept, kept.next_at)
+
+    def _extend(self, kept: KeptLock, ttl: float | None) -> bool:
+        """One extension attempt; sets ``next_at`` or ``lost_reason`` and returns whether it
+        extended. Caller holds the guard."""
+        lock = kept.lock
+        ttl = lock.ttl if ttl is None else ttl
+        now = time.monotonic()
+        if kept.hard_deadline is not None:
+            ttl = min(ttl, kept.hard_deadline - now)
+            if ttl - drift(self.redlock, ttl) - settings_of(self.redlock).node_timeout <= 0:
+                # The run's hard time limit is reached: the lock expires with it.
+                kept.next_at = float("inf")
+                return False
+        try:
+            extended = self.redlock.extend(lock, ttl)
+        except RedlockError as error:
+            extended = False
+            logger.warning("extending lock %s failed: %s", lock.key, error)
+        if extended:
+            kept.next_at = time.monotonic() + lock.validity / 3
+            return True
+        remaining = lock.remaining()
+        if remaining <= 0:
+            kept.lost_reason = (
+                "a majority of lock nodes no longer hold its token"
+                if lock.valid_until == 0.0
+                else "no quorum of lock nodes confirmed an extension before its validity ran out"
+            )
+            return False
+        # No quorum answered yet: try again soon, while the lock is still valid.
+        kept.next_at = time.monotonic() + min(settings_of(self.redlock).retry_delay, remaining / 3)
+        return False
+
+    def _report_lost(self, kept: KeptLock) -> None:
+        logger.error("lock %s was lost: %s", kept.lock.key, kept.lost_reason)
+        try:
+            kept.on_lost(kept)
+        except Exception:
+            logger.exception("lock_lost handler for %s raised", kept.lock.key)

@@ -1,0 +1,412 @@
+"""One Redis server as the nodes layer reaches it: how to open an authenticated connection to it
+(TCP, TLS or a unix socket, through redis-py's connection classes), and whether it is backed off
+after a failure.
+
+A failure backs the server off for 0.25 s, doubling up to 0.5 s while it keeps failing; once that
+passes, a background thread probes it (connect, PING) and rounds take it back when it answers.
+The back-off is forgotten only when a round gets a good reply, so a server that answers PING but
+fails every command (out of memory, read-only) stays backed off.
+
+A server may run commands it was sent while it seemed down (a stalled server resumes and runs the
+SETs it holds). So a clean-up it could not be sent, or whose reply never came (`Endpoint.owe`), is
+kept and sent by the probe as soon as the server answers again, for as long as what it removes
+could still live: nothing a caller sent outlives it by more than a probe.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import os
+import re
+import socket
+import threading
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import redis
+from redis.backoff import NoBackoff
+from redis.connection import AbstractConnection, Connection, ConnectionPool
+from redis.exceptions import (
+    ClusterDownError,
+    OutOfMemoryError,
+    ResponseError,
+    TryAgainError,
+)
+from redis.exceptions import RedisError as RedisClientError
+from redis.retry import Retry
+
+from ...errors import ConfigurationError
+from ...settings import has_credentials, redact_url
+
+logger = logging.getLogger(__name__)
+
+FIRST_BACKOFF_SECONDS = 0.25
+MAX_BACKOFF_SECONDS = 0.5  # a server that comes back is in use again within about a second
+PROBE_TIMEOUT_SECONDS = 1.0
+"""How long a probe waits for the server (when the node timeout is shorter): a probe runs in a
+thread of its own, so a server that answers late (a busy host) still counts as answering."""
+# Error replies after which an owed clean-up is sent again later (a LOADING server raises
+# redis-py's BusyLoadingError, a connection error: the whole batch stays owed).
+_TRANSIENT = (TryAgainError, ClusterDownError, OutOfMemoryError)
+
+LATENESS_RISE = 0.5
+LATENESS_FALL = 0.05
+"""How far `Endpoint.lateness` moves toward each reply's delay: quickly up, slowly down."""
+MAX_OWED = 10_000
+"""Clean-ups kept per server while it does not answer; past that the oldest (those whose keys
+expire soonest) are dropped."""
+
+ACL_HINT = "apply the least-privilege ACL line of README's 'TLS, passwords, ACL users'"
+
+# How servers say that the ACL user may not do something: NOPERM replies, and the errors of
+# commands run inside scripts (which the scripts' call() suffixes with "[command <name>]").
+_DENIED = ("NOPERM", "can't run this command", "No permissions to access", "ACL failure in script")
+
+
+def describe_failure(reason: object, user: str | None = None) -> str:
+    """A one-line account of why a server gave no usable reply. A denied command names the
+    command and the ACL rule that grants ``user`` (when known) it, instead of looking like a
+    network failure."""
+    text = str(reason)
+    if not any(marker in text for marker in _DENIED):
+        return text
+    named = re.search(r"run the '([^']+)' command", text) or re.search(
+        r"\[command ([^\]]+)\]", text
+    )
+    if "access a key" in text or "access a channel" in text:
+        return (
+            f"NOPERM: the node's user may not use celery_redlock's keys or channels ({text}); "
+            f"its ACL needs ~<key prefix>* and &<key prefix>*; {ACL_HINT}"
+        )
+    if named is not None:
+        command = named.group(1).lower()
+        return (
+            f"NOPERM: the node's user may not run {command!r}; grant it with "
+            f"ACL SETUSER {user or '<user>'} +{command}, or {ACL_HINT}"
+        )
+    return f"NOPERM: the node's user lacks a permission ({text}); {ACL_HINT}"
+
+
+def _no_client_setinfo() -> dict[str, Any]:
+    """Connection arguments that turn off CLIENT SETINFO (spelled differently across redis-py)."""
+    try:
+        Connection(driver_info=None)  # redis-py 7 and later
+    except TypeError:
+        return {"lib_name": None, "lib_version": None}
+    return {"driver_info": None}
+
+
+_NO_CLIENT_SETINFO = _no_client_setinfo()
+
+
+class OwnPoolClient(redis.Redis):
+    """A redis-py client that owns its connection pool: ``close()`` (and leaving a ``with``
+    block) also closes the pool's connections, which redis-py 5.0's ``close()`` leaves open."""
+
+    def close(self) -> None:
+        """Return the client's connection and close every connection of its pool."""
+        super().close()
+        self.connection_pool.disconnect()
+
+
+def connection_options(
+    url: str, node_timeout: float, username: str | None = None, password: str | None = None
+) -> tuple[type[AbstractConnection], dict[str, Any]]:
+    """redis-py's connection class and keyword arguments for a ``redis://``, ``rediss://`` or
+    ``unix://`` URL, with ``node_timeout`` for connecting and every read, no retries, RESP2 and
+    no CLIENT SETINFO. ``username`` and ``password`` apply when the URL names no credentials."""
+    credentials = {} if has_credentials(url) else {"username": username, "password": password}
+    try:
+        pool = ConnectionPool.from_url(
+            url,
+            socket_timeout=node_timeout,
+            socket_connect_timeout=node_timeout,
+            retry=Retry(NoBackoff(), 0),
+            health_check_interval=0,
+            protocol=2,
+            **credentials,
+        )
+    except (ValueError, TypeError) as error:
+        raise ConfigurationError(
+            f"redlock_urls: cannot use lock node URL {redact_url(url)!r}: "
+            f"{str(error).rstrip('.')}; the form is redis://[user:password@]host:port/db"
+        ) from error
+    options: dict[str, Any] = dict(pool.connection_kwargs)
+    # No CLIENT SETINFO in the handshake: connecting to a hung server then costs nothing until
+    # the round's own command, which every server is waited for in parallel.
+    options.update(_NO_CLIENT_SETINFO)
+    return pool.connection_class, options
+
+
+class Endpoint:
+    """One Redis server: its address and connection options, and its health in this process.
+
+    ``name`` is the server as it may be shown (passwords redacted)."""
+
+    def __init__(
+        self, name: str, connection_class: type[AbstractConnection], options: dict[str, Any]
+    ) -> None:
+        self.name = name
+        self.connection_class = connection_class
+        self.options = options
+        self.last_error = ""  # why the server was last backed off, for error messages
+        # Seconds from queueing a command to reading its reply, smoothed: on a busy host it
+        # grows with the time the reading thread waits for a CPU, not only with the server.
+        self.lateness = 0.0
+        self._suspect = False  # True from a failure until a probe sees the server answer
+        self._down_until = 0.0
+        self._backoff = 0.0
+        # No lock guards the probe: a lock held by another thread at a fork would stay held in
+        # the child for ever. Two threads starting a probe at once merely probe twice.
+        self._probing_pid = 0
+        self._probe_sleeping = False
+        self._probe_finished = threading.Event()
+        # Clean-ups owed to the server: (monotonic time they are useless after, packed command).
+        self._owed: collections.deque[tuple[float, bytes]] = collections.deque()
+
+    @classmethod
+    def from_url(
+        cls,
+        url: str,
+        node_timeout: float,
+        username: str | None = None,
+        password: str | None = None,
+    ) -> Endpoint:
+        """The server a ``redis://``, ``rediss://`` or ``unix://`` URL names."""
+        connection_class, options = connection_options(url, node_timeout, username, password)
+        return cls(redact_url(url), connection_class, options)
+
+    def at(self, host: str, port: int) -> Endpoint:
+        """Another server with the same connection options (credentials, TLS, timeouts)."""
+        options = {**self.options, "host": host, "port": port}
+        scheme = self.name.partition("://")[0] or "redis"
+        return Endpoint(f"{scheme}://{host}:{port}", self.connection_class, options)
+
+    @property
+    def timeout(self) -> float:
+        """Seconds a command to the server is waited for: the node timeout."""
+        return float(self.options.get("socket_timeout") or 0.0)
+
+    @property
+    def address(self) -> tuple[str, int] | None:
+        """(host, port) of a TCP server, None for a unix socket."""
+        host, port = self.options.get("host"), self.options.get("port")
+        return (str(host), int(port)) if host is not None and port is not None else None
+
+    def open_socket(self) -> socket.socket:
+        """A new connected, authenticated socket (TLS already negotiated), in blocking mode with
+        the node timeout. Raises redis-py's errors or `OSError`."""
+        connection = self.connection_class(**self.options)
+        connection.connect()
+        # The one place the package takes redis-py's socket: the connection did the handshake
+        # (AUTH, SELECT, TLS); the nodes layer reads and writes the socket itself from here on.
+        taken: Any = connection
+        sock: socket.socket = taken._sock
+        taken._sock = None
+        return sock
+
+    def client(self, timeout: float | None = None) -> redis.Redis:
+        """A plain redis-py client for this server (administration, tests), by default with the
+        node's own timeouts."""
+        options = dict(self.options)
+        if timeout is not None:
+            options.update(socket_timeout=timeout, socket_connect_timeout=timeout)
+        return OwnPoolClient(
+            connection_pool=ConnectionPool(connection_class=self.connection_class, **options)
+        )
+
+    # -- health ------------------------------------------------------------------------------
+
+    def is_backed_off(self, now: float) -> bool:
+        """True while the server is skipped after a failure (starting a probe once it is due)."""
+        if not self._suspect:
+            return False
+        if now >= self._down_until:
+            self._start_probe()
+        return True
+
+    def _start_probe(self) -> None:
+        pid = os.getpid()
+        if self._probing_pid == pid:
+            return  # a probe is already on its way in this process
+        self._probing_pid = pid
+        self._probe_finished = threading.Event()
+        threading.Thread(
+            target=self._probe,
+            args=(self._probe_finished,),
+            name=f"celery-redlock probe {self.name}",
+            daemon=True,
+        ).start()
+
+    def _probe(self, finished: threading.Event) -> None:
+        """Probe the server once it is due; while clean-ups are owed to it, again after each
+        back-off until it answers (and is sent them) or they are no longer needed."""
+        try:
+            while True:
+                wait = self._down_until - time.monotonic()
+                if wait > 0:
+                    self._probe_sleeping = True
+                    time.sleep(wait)
+                    self._probe_sleeping = False
+                if self._probe_once() or not self._still_owed(time.monotonic()):
+                    return
+        finally:
+            self._probing_pid = 0
+            finished.set()
+            if self._still_owed(time.monotonic()):
+                self._start_probe()  # owed while this probe was finishing
+
+    def _probe_once(self) -> bool:
+        """Connect, PING, and send what is owed; True if the server answered all of it."""
+        timeout = max(self.timeout, PROBE_TIMEOUT_SECONDS)
+        options = {**self.options, "socket_timeout": timeout, "socket_connect_timeout": timeout}
+        connection = self.connection_class(**options)
+        try:
+            connection.connect()
+            # PING is in the least-privilege ACL README documents; a user denied it still shows
+            # that the server answers (its NOPERM is an answer), so it does not count against it.
+            sent = time.monotonic()
+            connection.send_command("PING", check_health=False)
+            try:
+                if connection.read_response() not in (b"PONG", "PONG"):
+                    raise ResponseError("the server does not answer PING with PONG")
+            except ResponseError as error:
+                if not str(error).startswith("NOPERM"):
+                    raise
+            self._observe(time.monotonic() - sent)  # rounds wait as long as it takes now
+            self._pay(connection)
+        except Exception as error:  # whatever it is, the probe thread goes on (backed off)
+            self.mark_down(time.monotonic(), error)
+            return False
+        finally:
+            with contextlib.suppress(RedisClientError, OSError):
+                connection.disconnect()
+        self._suspect = False
+        return True
+
+    # -- clean-ups owed ----------------------------------------------------------------------
+
+    def owe(self, packed: bytes, until: float) -> None:
+        """Send ``packed`` (a clean-up: an owner-checked delete, harmless when run again) to the
+        server once it answers again, unless the monotonic clock has passed ``until`` by then
+        (what it removes has expired). For a clean-up the server was not sent, or whose reply
+        never came: the server may still run what it was sent before."""
+        owed = self._owed
+        if len(owed) >= MAX_OWED:
+            owed.popleft()
+        owed.append((until, packed))
+        self._start_probe()
+
+    def forgive(self, value: bytes) -> None:
+        """Drop the clean-ups owed for ``value``: its acquisition took the lock after all (a
+        later round of it, with the same token), and the lock must not be removed."""
+        owed = self._owed
+        if owed:
+            # One removal at a time: a clean-up owed meanwhile by another thread is kept.
+            for debt in [debt for debt in list(owed) if value in debt[1]]:
+                with contextlib.suppress(ValueError):
+                    owed.remove(debt)
+
+    @property
+    def owed(self) -> int:
+        """How many clean-ups wait for the server to answer again."""
+        return len(self._owed)
+
+    def _still_owed(self, now: float) -> bool:
+        owed = self._owed
+        while owed and owed[0][0] <= now:
+            owed.popleft()  # roughly in order of expiry: enough to end the probing
+        return bool(owed)
+
+    def _pay(self, connection: AbstractConnection) -> None:
+        """Send every clean-up still needed on ``connection`` (a new one, which the server reads
+        after what the old connections hold) and read their replies; any that fail stay owed."""
+        owed, now = self._owed, time.monotonic()
+        batch = [owed.popleft() for _ in range(len(owed))]
+        batch = [(until, packed) for until, packed in batch if until > now]
+        if not batch:
+            return
+        unpaid: list[tuple[float, bytes]] = []
+        try:
+            connection.send_packed_command([b"".join(packed for _, packed in batch)], False)
+            for debt in batch:
+                try:
+                    connection.read_response()
+                except ResponseError as error:
+                    # Out of memory, loading, busy: the key may still be there, later. Any other
+                    # refusal (MOVED, READONLY after a failover, a denied command) will not change
+                    # by sending it again: the key lives elsewhere, or the rounds see the fault.
+                    if isinstance(error, _TRANSIENT) or str(error).startswith("BUSY"):
+                        unpaid.append(debt)
+                        self.last_error = describe_failure(error, self.options.get("username"))
+        except BaseException:
+            owed.extend(batch)
+            raise
+        if unpaid:
+            owed.extend(unpaid)
+            raise ResponseError(f"clean-ups refused: {self.last_error}")
+
+    @property
+    def probing(self) -> bool:
+        """True while this process's probe of the server is under way (not waiting to be due)."""
+        return self._probing_pid == os.getpid() and not self._probe_sleeping
+
+    def wait_for_probe(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for the probe under way, if any, to finish."""
+        if self.probing and timeout > 0:
+            self._probe_finished.wait(timeout)
+
+    def mark_down(self, now: float, reason: object) -> None:
+        """Skip this server for a while (doubling each time it fails again, up to a cap)."""
+        was_up = self._backoff == 0.0
+        self.last_error = describe_failure(reason, self.options.get("username"))
+        self._backoff = min(MAX_BACKOFF_SECONDS, max(FIRST_BACKOFF_SECONDS, self._backoff * 2))
+        self._down_until = now + self._backoff
+        self._suspect = True
+        if was_up:
+            logger.warning(
+                "lock node %s is unavailable (%s); skipping it for %.2fs, then probing again",
+                self.name,
+                self.last_error,
+                self._backoff,
+            )
+
+    def mark_answered(self, delay: float = 0.0) -> None:
+        """Record a good reply, read ``delay`` seconds after its command was queued: the server
+        takes part in every round again, and its `lateness` follows the delay."""
+        self._observe(delay)
+        if self._backoff:
+            logger.info("lock node %s answers again", self.name)
+            self._backoff = 0.0
+            self._suspect = False
+
+    def _observe(self, delay: float) -> None:
+        lateness = self.lateness
+        rate = LATENESS_RISE if delay > lateness else LATENESS_FALL
+        self.lateness = lateness + (delay - lateness) * rate
+
+
+class KnownServers:
+    """The servers a member has learned of (a cluster's masters, the masters its sentinels
+    named), one `Endpoint` per address, kept with its health and its connection however often
+    the member learns of it again. New ones take the connection options of ``template``."""
+
+    def __init__(self, template: Endpoint, known: Iterable[Endpoint] = ()) -> None:
+        self.template = template
+        self._by_address = {endpoint.address: endpoint for endpoint in known if endpoint.address}
+        self._guard = threading.Lock()  # only around the dictionary update, never around I/O
+
+    def at(self, host: str, port: int) -> Endpoint:
+        """The server at ``host:port``."""
+        endpoint = self._by_address.get((host, port))
+        if endpoint is None:
+            with self._guard:
+                endpoint = self._by_address.setdefault((host, port), self.template.at(host, port))
+        return endpoint
+
+    def all(self) -> list[Endpoint]:
+        """Every server learned of so far."""
+        return list(self._by_address.values())

@@ -1,0 +1,257 @@
+"""The members of one `Redlock`'s quorum, and one round over all of them (`NodeGroup.run`).
+
+A *round* sends one script call to every member at once and collects the replies as they
+arrive, so its latency is that of the quorum-th fastest member, not the sum of all round trips.
+Every member is bounded by ``node_timeout``. A member that fails, does not answer in time, or
+answers with an error (out of memory, read-only, missing ACL permission, still loading...) or
+with a reply its script cannot give, is backed off: skipped without any network traffic and
+probed again from a background thread.
+
+Connections are per process, not per thread: every thread and greenlet of a process shares one
+connection per server (`nodes.channel`), and the waiting threads take turns
+reading them (`nodes.reactor`). After a fork the child opens its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+import weakref
+from collections.abc import Sequence
+
+from ..scripts import LOADED_ON_CONNECT, Script
+from .channel import Channel, Slot
+from .endpoint import Endpoint
+from .members import LockNode
+from .reactor import Reactor, Waiting
+from .resp import pack_command
+from .round import Judge, Members, Round, RoundResult, ScriptHeads, patience
+from .subscriber import Subscriber
+from .unattended import Unattended
+
+logger = logging.getLogger(__name__)
+
+# Sent before the first command of every new connection (their replies are skipped): a round
+# that decides before a slow server answers would never read its NOSCRIPT.
+SCRIPT_LOADS = tuple(pack_command("SCRIPT", "LOAD", script.source) for script in LOADED_ON_CONNECT)
+
+
+class Connections:
+    """This process's connections to the servers of one group: one `Channel` per server, one
+    `Subscriber` per server for release notifications, and the `Reactor` that reads them."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.reactor = Reactor()
+        self.guard = threading.Lock()
+        self.channels: dict[int, Channel] = {}
+        self.subscribers: dict[int, Subscriber] = {}
+
+    def channel(self, endpoint: Endpoint) -> Channel:
+        """The connection to ``endpoint`` (made, not yet opened, on first use)."""
+        channel = self.channels.get(id(endpoint))
+        if channel is None:
+            with self.guard:
+                channel = self.channels.get(id(endpoint))
+                if channel is None:
+                    reactor = self.reactor
+                    channel = Channel(endpoint, SCRIPT_LOADS, reactor.connection_opened, reactor)
+                    reactor.add_channel(channel, channel)
+                    self.channels[id(endpoint)] = channel
+        return channel
+
+    def subscriber(self, endpoint: Endpoint) -> Subscriber:
+        """The release-notification connection to ``endpoint`` (made on first use)."""
+        subscriber = self.subscribers.get(id(endpoint))
+        if subscriber is None:
+            with self.guard:
+                subscriber = self.subscribers.get(id(endpoint))
+                if subscriber is None:
+                    subscriber = Subscriber(endpoint, self.reactor.connection_opened)
+                    self.reactor.add_channel(subscriber)
+                    self.subscribers[id(endpoint)] = subscriber
+        return subscriber
+
+    def close(self) -> None:
+        """Close every connection; the slots still waiting get no reply."""
+        failed: list[Slot] = []
+        for channel in list(self.channels.values()):
+            failed += channel.close()
+        for subscriber in list(self.subscribers.values()):
+            subscriber.close()
+        self.reactor.deliver(failed)
+
+    def dispose(self) -> None:
+        """Close every socket without taking any lock: for a group that is gone, or the parent's
+        connections in a forked child (where another thread may have held a lock at the fork)."""
+        sockets = [channel.socket for channel in self.channels.values()]
+        sockets += [subscriber.socket for subscriber in self.subscribers.values()]
+        for sock in sockets:
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.close()
+        self.reactor.close()
+
+
+class NodeGroup:
+    """The members of one `Redlock`, with this process's connections to them, opened lazily.
+
+    Every thread of a process uses the same connection to a server, and a server answers the
+    commands of one connection in the order they were sent, so a thread's release never
+    overtakes its own acquisition's late SET. Connections are opened in the process that uses
+    them: after a fork, the child leaves the parent's sockets alone and opens its own.
+    """
+
+    def __init__(self, nodes: Sequence[LockNode], node_timeout: float) -> None:
+        self.nodes = list(nodes)
+        self.node_timeout = node_timeout
+        self.quorum = len(self.nodes) // 2 + 1
+        self._connections = self._new_connections()
+        # Not a method of the group: rounds keep it, and a round still waiting in a connection
+        # must not keep the group alive (its finalizer closes the connections).
+        self.script_head = ScriptHeads()
+
+    def _new_connections(self) -> Connections:
+        connections = Connections()
+        # Closed when the group is dropped (its Redlock gone), not left to the garbage collector.
+        weakref.finalize(self, connections.dispose)
+        return connections
+
+    @property
+    def names(self) -> list[str]:
+        """The members, passwords redacted."""
+        return [node.name for node in self.nodes]
+
+    def connections(self) -> Connections:
+        """This process's connections (new ones in a forked child)."""
+        connections = self._connections
+        if connections.pid != os.getpid():
+            # A forked child: the parent's sockets are closed here (the parent keeps its own),
+            # without any lock another thread may have held at the fork.
+            connections.dispose()
+            connections = self._connections = self._new_connections()
+        return connections
+
+    def close(self) -> None:
+        """Close this process's connections to the servers; later rounds open new ones."""
+        if self._connections.pid == os.getpid():
+            self._connections.close()
+
+    def run(
+        self,
+        script: Script,
+        keys: Sequence[str],
+        arguments: Sequence[str | int],
+        judge: Judge,
+        wait: bool = True,
+        every: bool = False,
+        grants: bool = False,
+        owed_for: float = 0.0,
+    ) -> RoundResult:
+        """Run ``script`` on every member at once and collect replies until the outcome is known.
+
+        ``judge`` says what each reply means (`Judge`). The outcome is known when a quorum
+        succeeded, when a quorum can no longer succeed, or when ``node_timeout`` has passed;
+        with ``every=True`` only when every member answered or timed out (operators' commands
+        that report per member). With ``wait=False`` the commands are only sent: their replies
+        are read by a later round's reader and checked then (an error reply backs the server
+        off, and is logged). ``grants``: the script grants a lock, which members with
+        ``wait_replicas`` confirm only once replicas acknowledged it. ``owed_for``: the script
+        is a clean-up (an owner-checked delete) of keys that may live this many seconds; a
+        member that is backed off or gives no reply gets it once it answers again (a stalled
+        server runs what it was sent before when it resumes).
+        """
+        members = Members(self.nodes, self.node_timeout, self.connections(), self.script_head)
+        owed_until = time.monotonic() + owed_for if owed_for > 0 else 0.0
+        if not wait:
+            Unattended(members, script, judge, keys, arguments, owed_until).send()
+            return RoundResult([], 0, 0, time.monotonic(), [])
+        round_ = Round(members, script, keys, arguments, judge, every, grants, owed_until)
+        try:
+            round_.start(wait)
+            round_.collect()
+        except BaseException:
+            # Interrupted (a soft time limit, a signal) between sending and deciding: callers
+            # release what the round may have taken; the connections keep their order.
+            round_.finish()
+            raise
+        return round_.finish()
+
+    def forgive(self, key: str, value: str) -> None:
+        """Drop the clean-ups owed for ``value`` at ``key``: it is a lock taken now."""
+        encoded = value.encode()
+        for node in self.nodes:
+            endpoint = node.endpoint_for(key)
+            if endpoint is not None:
+                endpoint.forgive(encoded)
+
+    def listen_for_releases(self, channel: str) -> ReleaseListener:
+        """Subscriptions to ``channel`` (a lock key) on every member that is not backed off."""
+        return ReleaseListener(self, self.connections(), channel)
+
+
+class ReleaseListener(Waiting):
+    """Subscriptions to a lock's release channel on every reachable member, for blocking waits:
+    one shared subscriber connection per server and process, whoever listens."""
+
+    def __init__(self, group: NodeGroup, connections: Connections, channel: str) -> None:
+        super().__init__()
+        self.connections = connections
+        self.channel = channel
+        self.notified = False
+        self.subscribers: list[Subscriber] = []
+        now = time.monotonic()
+        lateness: list[float] = []
+        for node in group.nodes:
+            endpoint = node.endpoint_for(channel)
+            if endpoint is None or endpoint.is_backed_off(now):
+                continue
+            subscriber = connections.subscriber(endpoint)
+            if subscriber.listen(channel, self):
+                self.subscribers.append(subscriber)
+                lateness.append(endpoint.lateness)
+        # Subscribed only once the servers confirm: a release before that would go unheard.
+        waited = patience(group.node_timeout, lateness, len(lateness))
+        deadline = time.monotonic() + waited
+        while not all(subscriber.confirmed(channel) for subscriber in self.subscribers):
+            self.satisfied = False
+            if not connections.reactor.wait(self, deadline) and time.monotonic() >= deadline:
+                break
+
+    def deliver(self, slot: Slot) -> None:
+        if slot.tag == "message":
+            self.notified = True
+        self.satisfy()
+
+    def __enter__(self) -> ReleaseListener:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Drop the subscriptions."""
+        for subscriber in self.subscribers:
+            subscriber.stop(self.channel, self)
+        self.subscribers.clear()
+
+    def wait(self, seconds: float) -> bool:
+        """Sleep up to ``seconds``; True as soon as any member announced a release — including
+        one announced since the previous wait (an attempt in between must not miss it)."""
+        if not self.subscribers:
+            time.sleep(max(seconds, 0))
+            return False
+        reactor = self.connections.reactor
+        deadline = time.monotonic() + max(seconds, 0)
+        while True:
+            with reactor.lock:
+                if self.notified:
+                    self.notified = False
+                    return True
+                self.satisfied = False
+            if time.monotonic() >= deadline:
+                return False
+            reactor.wait(self, deadline)

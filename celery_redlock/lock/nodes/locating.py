@@ -1,0 +1,118 @@
+"""Finding out where a member's keys live, again and again (`Locator`): a cluster's slot map, the
+master a set of sentinels names. Every look runs in a background thread — at most one at a time
+per process, at most every `RELOCATE_INTERVAL_SECONDS` — so that rounds never wait on seeds or
+sentinels that hang: until the first look succeeds, a caller waits for it at most ``patience``
+seconds from its start."""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+from ...errors import RedlockError
+
+logger = logging.getLogger(__name__)
+
+RELOCATE_INTERVAL_SECONDS = 0.25
+
+Candidate = TypeVar("Candidate")
+Answer = TypeVar("Answer")
+
+
+def first_answer(
+    candidates: Sequence[Candidate],
+    ask: Callable[[Candidate], Answer],
+    name: Callable[[Candidate], str],
+) -> Answer:
+    """Ask every candidate at once (a thread each) and return the first answer; ``ask`` raises
+    when a candidate has none. One that hangs delays nothing. Raises `RedlockError` naming each
+    candidate's failure when none answers."""
+    answers: queue.Queue[tuple[Candidate, Answer | None, str]] = queue.Queue()
+
+    def run(candidate: Candidate) -> None:
+        try:
+            answers.put((candidate, ask(candidate), ""))
+        except Exception as error:
+            answers.put((candidate, None, str(error)))
+
+    for candidate in candidates:
+        threading.Thread(target=run, args=(candidate,), daemon=True).start()
+    errors = []
+    for _ in candidates:
+        candidate, answer, error = answers.get()
+        if answer is not None:
+            return answer
+        errors.append(f"{name(candidate)}: {error}")
+    raise RedlockError("; ".join(errors) or "nobody to ask")
+
+
+class Locator:
+    """Runs ``look`` (which raises when it cannot find out) in the background, on first use and
+    on request; callers wait for a first look at most ``patience`` seconds from its start."""
+
+    def __init__(self, name: str, look: Callable[[], None], patience: float) -> None:
+        self.name = name
+        self._look = look
+        self.patience = patience
+        self.located = False
+        self.last_error = ""
+        self._looked_at = 0.0
+        # No lock: one held by another thread at a fork would stay held in the child for ever.
+        self._looking_pid = 0
+        self._finished = threading.Event()
+
+    def ensure(self, wait_for_the_look: bool = False) -> bool:
+        """True once located. Until then, starts a look (unless one is under way or failed less
+        than an interval ago) and waits for it — at most until ``patience`` seconds after it
+        started, or with ``wait_for_the_look`` until it ends (operators' commands)."""
+        if not self.located:
+            if time.monotonic() - self._looked_at >= RELOCATE_INTERVAL_SECONDS:
+                self._start()
+            if self._looking_pid == os.getpid():
+                left = self._looked_at + self.patience - time.monotonic()
+                self._finished.wait(None if wait_for_the_look else max(left, 0.0))
+        return self.located
+
+    def refresh_if_older(self, seconds: float) -> None:
+        """Look again in the background when the last look started ``seconds`` ago or more: for
+        what nothing announces (a master the sentinels replaced while it kept running)."""
+        if self.located and time.monotonic() - self._looked_at >= seconds:
+            self.relocate()
+
+    def relocate(self) -> None:
+        """Look again in the background (unless a look is under way or was just made)."""
+        if time.monotonic() - self._looked_at >= RELOCATE_INTERVAL_SECONDS:
+            self._start()
+
+    def _start(self) -> None:
+        pid = os.getpid()
+        if self._looking_pid == pid:
+            return
+        self._looking_pid = pid
+        self._looked_at = time.monotonic()
+        self._finished = finished = threading.Event()
+        threading.Thread(
+            target=self._run,
+            args=(finished,),
+            name=f"celery-redlock locate {self.name}",
+            daemon=True,
+        ).start()
+
+    def _run(self, finished: threading.Event) -> None:
+        try:
+            self._look()
+        except Exception as error:  # the member stays where it was last seen
+            if error.__class__.__name__ != self.last_error.partition(":")[0]:
+                logger.warning("lock node %s: cannot locate its servers: %s", self.name, error)
+            self.last_error = f"{error.__class__.__name__}: {error}"
+        else:
+            self.located = True
+            self.last_error = ""
+        finally:
+            self._looking_pid = 0
+            finished.set()

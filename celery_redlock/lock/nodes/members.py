@@ -1,0 +1,85 @@
+"""The members of a quorum (`LockNode`): what one entry of ``redlock_urls`` stands for, and where
+a command on a key goes. A standalone server (`StandaloneNode`) is one endpoint; a Redis Cluster
+(`nodes.cluster`) routes each key to the master of its hash slot; a
+Sentinel-managed master (`nodes.sentinel`) is whichever server the sentinels name.
+"""
+
+from __future__ import annotations
+
+import redis
+
+from .endpoint import Endpoint
+from .resp import ErrorReply
+
+
+class Redirect:
+    """Where to send a command again after an error reply: to ``endpoint``, after ``ASKING`` when
+    ``asking`` (a slot being migrated)."""
+
+    __slots__ = ("asking", "endpoint")
+
+    def __init__(self, endpoint: Endpoint, asking: bool = False) -> None:
+        self.endpoint = endpoint
+        self.asking = asking
+
+
+class LockNode:
+    """One member of the quorum: it grants or refuses as one, whatever it is made of.
+
+    ``wait_replicas`` (Cluster and Sentinel members): a grant counts only once that many replicas
+    acknowledged it (Redis ``WAIT``)."""
+
+    name = ""
+    wait_replicas = 0
+
+    def endpoint_for(self, key: str) -> Endpoint | None:
+        """The server a command on ``key`` goes to now; None while that is not known (the member
+        is still finding out, which counts as backed off)."""
+        raise NotImplementedError
+
+    def endpoints(self) -> list[Endpoint]:
+        """Every server holding this member's keys now (a cluster's masters)."""
+        raise NotImplementedError
+
+    def locating_error(self) -> str:
+        """Why `endpoint_for` knows no server (the member could not find out where its keys
+        live)."""
+        return "its servers are not located yet"
+
+    def redirect(self, reply: ErrorReply, endpoint: Endpoint) -> Redirect | None:
+        """Where to send a command again after ``endpoint`` answered ``reply`` (MOVED, ASK,
+        READONLY...), or None when the reply is the answer."""
+        return None
+
+    def notice(self, reply: ErrorReply, endpoint: Endpoint) -> None:
+        """Take note of an error reply from ``endpoint`` that may mean the keys live elsewhere
+        now (MOVED after a failover or a resharding, READONLY from a demoted master): learn
+        again where, in the background."""
+
+    def notice_failure(self, endpoint: Endpoint) -> None:
+        """Take note that ``endpoint`` did not answer (a cluster learns its slot map anew: a
+        master that fails may have been replaced by its replica)."""
+
+    def client(self, timeout: float | None = None) -> redis.Redis:
+        """A plain redis-py client of the member's first server (administration, tests)."""
+        endpoints = self.endpoints()
+        if not endpoints:
+            raise ConnectionError(f"lock node {self.name} has no reachable server yet")
+        return endpoints[0].client(timeout)
+
+    def close(self) -> None:
+        """Stop what the member runs in the background."""
+
+
+class StandaloneNode(LockNode):
+    """One independent Redis (or Valkey) server: ``redis://``, ``rediss://`` or ``unix://``."""
+
+    def __init__(self, endpoint: Endpoint) -> None:
+        self.endpoint = endpoint
+        self.name = endpoint.name
+
+    def endpoint_for(self, key: str) -> Endpoint:
+        return self.endpoint
+
+    def endpoints(self) -> list[Endpoint]:
+        return [self.endpoint]

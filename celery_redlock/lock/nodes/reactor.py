@@ -1,0 +1,229 @@
+"""Who reads the connections of a process: the threads that wait, one at a time (`Reactor`).
+
+A thread that waits for replies (a `Waiting`) becomes the *reader* when nobody else is reading:
+it polls every connection of the process, reads what arrives and hands each reply to the slot it
+answers; the waiter of that slot is woken only once what it waits for is complete. When its own
+wait is over, the reader passes the role to one thread still waiting. A thread on its own is
+always the reader — no hand-off, no extra thread — and many threads share the reads of one
+connection. Commands queued while the reader polls, on connections that owe replies, are written
+by the reader when its poll ends (`nodes.channel.Channel.flush`): a reply that
+wakes it writes the next commands of many threads at once. There is no thread per call and no
+background reader: with gevent or eventlet, the waiting greenlets take turns the same way.
+
+Everything that waits here has a deadline; a deadline that passes wakes its waiter whatever the
+others do. After a fork, the child has a reactor of its own (`nodes.group`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Protocol
+
+from .channel import Slot, wait_readable
+
+
+class Waiting:
+    """Something a thread waits for (a round of replies, a release notification). Subclasses
+    call `satisfy` (with the reactor's lock held) once it is complete; `deliver` is told of
+    each answered slot of theirs."""
+
+    def __init__(self) -> None:
+        self.satisfied = False
+        self.attention = False  # its thread must act before waiting on (see `call_attention`)
+        self.asleep = False  # its thread sleeps (or is about to): only then is it woken
+        self._wakeup = threading.Lock()
+        self._wakeup.acquire()
+
+    def deliver(self, slot: Slot) -> Callable[[], object] | None:
+        """Take note of one answered slot (the reactor's lock is held)."""
+        return None
+
+    def satisfy(self) -> None:
+        """Mark the wait complete and wake its thread."""
+        self.satisfied = True
+        self.wake()
+
+    def call_attention(self) -> None:
+        """Wake the waiting thread to act (send a follow-up command) before it waits on."""
+        self.attention = True
+        self.wake()
+
+    def wake(self) -> None:
+        """Wake the waiting thread (to find itself satisfied, or to take over reading) if it
+        sleeps; a thread that reads finds out by itself. Called with the reactor's lock held."""
+        if self.asleep:
+            self.asleep = False
+            with contextlib.suppress(RuntimeError):  # woken already
+                self._wakeup.release()
+
+    def sleep(self, timeout: float) -> None:
+        """Sleep until woken or ``timeout`` seconds pass."""
+        if self._wakeup.acquire(timeout=max(timeout, 0.0)):
+            return
+
+
+class Readable(Protocol):
+    """A connection the reactor reads: a `Channel`, or a subscriber connection."""
+
+    def fileno(self) -> int:
+        """Its descriptor, -1 while closed."""
+
+    def read(self, descriptor: int, answered: list[Slot]) -> None:
+        """Read what arrived on ``descriptor``, adding the slots it answered to ``answered``."""
+
+
+class Writable(Protocol):
+    """A connection that leaves commands to the reader while it polls: a `Channel`."""
+
+    def flush(self) -> list[Slot]:
+        """Write the commands left to the reader; returns the slots that failed."""
+
+
+class Reactor:
+    """The reads of one process's connections (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.channels: list[Readable] = []
+        self.writers: list[Writable] = []
+        self.polling = False  # a reader polls: it flushes the writers once the poll ends
+        self._reading = False
+        self._waiting: dict[Waiting, None] = {}  # those asleep or about to be, in order
+        # Written to when a connection is added while a reader polls, so that it polls it too.
+        self._wake_reader_read, self._wake_reader_write = os.pipe()
+        os.set_blocking(self._wake_reader_read, False)
+        os.set_blocking(self._wake_reader_write, False)
+
+    def add_channel(self, channel: Readable, writer: Writable | None = None) -> None:
+        """Read ``channel`` too from now on; ``writer`` (the channel itself, when it leaves
+        commands to the reader) is flushed after every poll."""
+        with self.lock:
+            if channel not in self.channels:
+                self.channels.append(channel)
+            if writer is not None and writer not in self.writers:
+                self.writers.append(writer)
+
+    def connection_opened(self) -> None:
+        """A channel opened a new connection: a reader polling now must poll it as well."""
+        with contextlib.suppress(OSError):  # the pipe is full: the reader is woken anyway
+            os.write(self._wake_reader_write, b"x")
+
+    def deliver(self, slots: Iterable[Slot]) -> None:
+        """Hand answered slots to their waiters (then run what they left to do)."""
+        afterwards = []
+        with self.lock:
+            for slot in slots:
+                if slot.waiter is not None:
+                    then = slot.waiter.deliver(slot)
+                    if then is not None:
+                        afterwards.append(then)
+        for then in afterwards:
+            then()
+
+    def wait(self, waiting: Waiting, deadline: float) -> bool:
+        """Wait until ``waiting`` is satisfied (True), calls for attention, or ``deadline``
+        (``time.monotonic()``) passes, reading for everybody while nobody else does.
+
+        Safe against an exception raised at any point by a signal handler (a soft time limit):
+        the reading role is always given back, and the waiter taken off the list, on the way
+        out, where the reading is handed over once."""
+        reading = looked = left = False
+        try:
+            while True:
+                with self.lock:
+                    if reading:  # back from reading: the role is free again
+                        self._reading = False
+                        reading = False
+                    now = time.monotonic()
+                    done = waiting.satisfied or waiting.attention
+                    if not done and now >= deadline:
+                        # A thread the CPU got to late may find its replies arrived in time,
+                        # unread: one last look (without waiting) before it gives up on them.
+                        done = looked or self._reading
+                        looked = True
+                        deadline = now
+                    if done:
+                        # On the way out with the lock held already (the `finally` clause takes
+                        # it only when cut short); leaving twice does no harm.
+                        self._leave_locked(waiting)
+                        left = True
+                        return waiting.satisfied
+                    if not self._reading:
+                        reading = True  # first: an interruption in between leaves no role held
+                        self._reading = True
+                        self._waiting.pop(waiting, None)
+                    else:
+                        waiting.asleep = True
+                        self._waiting[waiting] = None
+                if reading:
+                    self._read_until(waiting, deadline)
+                else:
+                    waiting.sleep(deadline - now)
+        finally:
+            if not left:
+                with self.lock:
+                    if reading:
+                        self._reading = False
+                    self._leave_locked(waiting)
+
+    def _leave_locked(self, waiting: Waiting) -> None:
+        """``waiting``'s thread stops waiting: off the list, and the reading handed over if
+        nobody reads (it may have been woken to take it over)."""
+        waiting.asleep = False
+        self._waiting.pop(waiting, None)
+        self._hand_over_locked()
+
+    def _hand_over_locked(self) -> None:
+        """With nobody reading, wake one waiting thread to take over (it may find itself done
+        and pass it on in turn)."""
+        if self._reading:
+            return
+        for other in self._waiting:
+            if not other.satisfied:
+                other.wake()
+                return
+
+    def _read_until(self, waiting: Waiting, deadline: float) -> None:
+        """Read until ``waiting`` is satisfied or calls for attention, or ``deadline`` passes;
+        at least one look, without waiting, even when it has passed already."""
+        wake_descriptor = self._wake_reader_read
+        looked = False
+        while not (waiting.satisfied or waiting.attention):
+            left = deadline - time.monotonic()
+            if left <= 0 and looked:
+                return
+            looked = True
+            with self.lock:
+                by_descriptor = {channel.fileno(): channel for channel in self.channels}
+                writers = self.writers
+            by_descriptor.pop(-1, None)
+            answered: list[Slot] = []
+            try:
+                self.polling = True
+                try:
+                    ready = wait_readable([wake_descriptor, *by_descriptor], max(left, 0.0))
+                finally:
+                    # First, even when a signal handler raises: the commands left to this reader
+                    # while it polled (a command queued from now on is written by its sender).
+                    self.polling = False
+                    for writer in writers:
+                        answered += writer.flush()
+                for descriptor in ready:
+                    if descriptor == wake_descriptor:
+                        with contextlib.suppress(OSError):
+                            os.read(wake_descriptor, 4096)
+                        continue
+                    by_descriptor[descriptor].read(descriptor, answered)
+            finally:  # even when a signal handler raises: answered slots reach their waiters
+                if answered:
+                    self.deliver(answered)
+
+    def close(self) -> None:
+        """Close the wake-up pipe (the channels are closed by their owners)."""
+        for descriptor in (self._wake_reader_read, self._wake_reader_write):
+            with contextlib.suppress(OSError):
+                os.close(descriptor)

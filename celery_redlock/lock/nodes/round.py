@@ -1,0 +1,483 @@
+"""One round: a script call on every member of a quorum at once, and its replies as they arrive
+(`Round`). Its latency is that of the quorum-th fastest member; each member is bounded by
+``node_timeout``; a member whose key moved is followed (MOVED, ASK), a server that lost its
+scripts gets the source (NOSCRIPT); a reply that is an error, or one the script cannot give,
+counts as no answer and backs the server off."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from ..scripts import Script
+from .channel import NO_REPLY, Channel, Slot, hung_after
+from .endpoint import Endpoint
+from .members import LockNode
+from .reactor import Reactor, Waiting
+from .resp import ErrorReply, pack_arguments, pack_command
+
+
+class RoundConnections(Protocol):
+    """The connections a round sends on (`nodes.group.Connections`)."""
+
+    reactor: Reactor
+
+    def channel(self, endpoint: Endpoint) -> Channel:
+        """The connection to ``endpoint``."""
+
+
+Judge = Callable[[Any], "bool | None"]
+"""Tells what one member's reply to a script means: True — it did what was asked; False — it
+answered, and refused; None — the reply is not one the script can return (untrusted input: it
+counts as no answer, like an error reply)."""
+
+# Error replies that are no answer but an address: send the command there (or after a script
+# load) and wait for that reply instead.
+_FOLLOWED = ("MOVED", "ASK", "NOSCRIPT")
+FOLLOW_UPS_PER_MEMBER = 3
+
+PATIENCE_PER_LATENESS = 3.0
+LONGEST_PATIENCE = 10.0
+"""A round waits for its members ``node_timeout``, or three times the lateness of the replies
+its quorum-th member sent of late, whichever is longer, but at most ten node timeouts. On a busy
+host replies are read late because the reading thread waits for a CPU: that is not a node
+failing, and a round deciding at quorum loses nothing by waiting longer while a majority
+answers; only a round without a majority waits the longer time."""
+
+
+def patience(node_timeout: float, lateness: list[float], quorum: int) -> float:
+    """Seconds a round waits for the members whose recent lateness is ``lateness``."""
+    if not 0 < quorum <= len(lateness):
+        return node_timeout
+    late = sorted(lateness)[quorum - 1] * PATIENCE_PER_LATENESS
+    return min(max(node_timeout, late), node_timeout * LONGEST_PATIENCE)
+
+
+@dataclass
+class RoundResult:
+    """What one round learned: each member's reply (``NO_REPLY`` where there was none usable),
+    how many members answered (error replies and replies the script cannot give are not
+    answers), how many succeeded, and for each member without a usable reply why (else None)."""
+
+    replies: list[Any]
+    successes: int
+    answered: int
+    finished_at: float
+    failures: list[str | None]
+
+    def unavailable_reasons(self, names: Sequence[str]) -> tuple[str, ...]:
+        """``"<member>: <why>"`` for every member that gave no usable reply."""
+        return tuple(
+            f"{name}: {why}" for name, why in zip(names, self.failures, strict=True) if why
+        )
+
+
+class NodeCall:
+    """One member's part of a round: the slots of the commands sent to it (the script call,
+    perhaps after ``ASKING`` and before ``WAIT``), and which of them carries the answer."""
+
+    __slots__ = ("alone", "endpoint", "index", "main", "replicas", "slots")
+
+    def __init__(self, index: int, endpoint: Endpoint, alone: bool = False) -> None:
+        self.index = index
+        self.endpoint = endpoint
+        self.alone = alone  # the script on its first key only (`Script.alone`)
+        self.slots: list[Slot] = []
+        self.main: Slot | None = None
+        self.replicas: Slot | None = None  # the WAIT reply, when the member waits for replicas
+
+
+class ScriptHeads:
+    """``EVAL <source>`` or ``EVALSHA <sha>`` of each script, packed once (`pack_arguments`);
+    called as ``heads(script, by_source)``."""
+
+    def __init__(self) -> None:
+        self._heads: dict[tuple[str, bool], bytes] = {}
+
+    def __call__(self, script: Script, by_source: bool) -> bytes:
+        head = self._heads.get((script.name, by_source))
+        if head is None:
+            arguments = ("EVAL", script.source) if by_source else ("EVALSHA", script.sha)
+            head = self._heads[(script.name, by_source)] = pack_arguments(*arguments)
+        return head
+
+
+@dataclass(frozen=True)
+class Members:
+    """What a round needs of its group: the members, their node timeout, this process's
+    connections to them, and a script call's packed head (``EVAL <source>`` when the flag is
+    set, else ``EVALSHA <sha>``)."""
+
+    nodes: Sequence[LockNode]
+    node_timeout: float
+    connections: RoundConnections
+    script_head: Callable[[Script, bool], bytes]
+
+
+class Round(Waiting):
+    """One script call on every member at once, and its replies as they arrive."""
+
+    def __init__(
+        self,
+        members: Members,
+        script: Script,
+        keys: Sequence[str],
+        arguments: Sequence[str | int],
+        judge: Judge,
+        every: bool,
+        grants: bool,
+        owed_until: float = 0.0,
+    ) -> None:
+        """``owed_until``: for a clean-up (an owner-checked delete), the monotonic time until
+        which what it removes may live; a member that does not answer it is owed it
+        (`Endpoint.owe`) until then."""
+        super().__init__()
+        self.nodes = nodes = members.nodes
+        self.node_timeout = members.node_timeout
+        self.quorum = len(nodes) // 2 + 1
+        self.connections = members.connections
+        self.script = script
+        self.script_head = members.script_head
+        self.key = keys[0]
+        self.call = (len(keys), *keys, *arguments)
+        self.judge = judge
+        self.every = every
+        self.grants = grants  # a grant that must reach the replicas of members that wait for them
+        self.owed_until = owed_until
+        count = len(nodes)
+        self.replies: list[Any] = [NO_REPLY] * count
+        self.why_not: list[str | None] = ["not asked"] * count
+        self.calls: list[NodeCall | None] = [None] * count
+        self.follow_ups: list[tuple[NodeCall, Slot]] = []
+        # A member's command is followed to another server (or sent again with its script) at
+        # most this often per round: a redirection loop (ASKING denied) ends as no answer.
+        self.follow_ups_left = [FOLLOW_UPS_PER_MEMBER] * count
+        self.outstanding = 0
+        self.successes = 0
+        self.answered = 0
+        self.failures = 0
+        self.finished = False
+        self.deadline = 0.0
+        self.patience = self.node_timeout
+
+    # -- sending -----------------------------------------------------------------------------
+
+    def start(self, wait: bool) -> None:
+        """Send to every member that is not backed off. When those are too few for a quorum,
+        give the members being probed (in parallel) one node_timeout and take in those that
+        answered."""
+        # Scripts marked inline (releases) carry their source: a restarted server answering a
+        # release after its round decided would send a NOSCRIPT nobody reads.
+        packed = self._packed(by_source=self.script.inline)
+        now = time.monotonic()
+        self.outstanding = len(self.nodes)  # before any slot is sent: nobody delivers yet
+        skipped: list[tuple[int, LockNode, Endpoint | None]] = []
+        lateness: list[float] = []
+        for index, node in enumerate(self.nodes):
+            endpoint = node.endpoint_for(self.key)
+            if endpoint is None or endpoint.is_backed_off(now):
+                skipped.append((index, node, endpoint))
+            else:
+                lateness.append(endpoint.lateness)
+                self._send(index, node, endpoint, packed, asking=False)
+        if skipped:
+            self._skip(skipped, packed, wait)
+        self.patience = patience(self.node_timeout, lateness, self.quorum)
+        self.deadline = time.monotonic() + self.patience
+
+    def _packed(self, by_source: bool, alone: bool = False) -> bytes:
+        call = self.call
+        if alone:
+            call = (1, call[1], *call[1 + int(call[0]) :])
+        return pack_command(*call, head=self.script_head(self.script, by_source), head_count=2)
+
+    def _owe(self, endpoint: Endpoint) -> None:
+        """A clean-up that ``endpoint`` did not answer is sent again once it answers."""
+        if self.owed_until:
+            endpoint.owe(self._packed(by_source=True), self.owed_until)
+
+    def _skip(
+        self, skipped: list[tuple[int, LockNode, Endpoint | None]], packed: bytes, wait: bool
+    ) -> None:
+        """Members that are backed off get no command; when too few others are left for a
+        quorum, those being probed are waited for (one node_timeout) and taken in if up."""
+        reactor = self.connections.reactor
+        with reactor.lock:
+            for index, node, endpoint in skipped:
+                why = endpoint.last_error if endpoint is not None else node.locating_error()
+                self._settle(index, f"skipped while backed off ({why})")
+        for _, node, endpoint in skipped:
+            if endpoint is not None:
+                node.notice_failure(endpoint)
+                self._owe(endpoint)
+        probing = [
+            (index, node, endpoint)
+            for index, node, endpoint in skipped
+            if endpoint is not None and endpoint.probing
+        ]
+        sent = sum(call is not None for call in self.calls)
+        if not (wait and probing and sent < self.quorum):
+            return
+        until = time.monotonic() + self.node_timeout
+        for _, _, endpoint in probing:
+            endpoint.wait_for_probe(until - time.monotonic())
+        now = time.monotonic()
+        for index, node, endpoint in probing:
+            if not endpoint.is_backed_off(now):
+                with reactor.lock:
+                    self.outstanding += 1
+                    self.failures -= 1
+                self._send(index, node, endpoint, packed, asking=False)
+
+    def _send(
+        self,
+        index: int,
+        node: LockNode,
+        endpoint: Endpoint,
+        packed: bytes,
+        asking: bool,
+        alone: bool = False,
+    ) -> None:
+        call = NodeCall(index, endpoint, alone)
+        waits = self.grants and node.wait_replicas
+        if asking or waits:
+            commands = [packed]
+            if asking:
+                commands.insert(0, pack_command("ASKING"))
+            if waits:
+                # Half the node timeout: WAIT holds up the replies of the whole (shared)
+                # connection while it waits, and its own reply must arrive within the round.
+                timeout_ms = max(1, int(self.node_timeout * 500))
+                commands.append(pack_command("WAIT", node.wait_replicas, timeout_ms))
+            call.slots = [Slot(self, call) for _ in commands]
+            call.main = call.slots[1 if asking else 0]
+            call.replicas = call.slots[-1] if waits else None
+            packed = b"".join(commands)
+        else:
+            call.main = Slot(self, call)
+            call.slots = [call.main]
+        self.calls[index] = call
+        self.why_not[index] = None
+        # A server owing a reply for longer than hung_after is hung: the command is not queued
+        # behind it, and the server is backed off (the slots fail at once).
+        channel = self.connections.channel(endpoint)
+        failed = channel.send(packed, call.slots, late_after=hung_after(self.node_timeout))
+        if failed:
+            self.connections.reactor.deliver(failed)
+
+    # -- replies (with the reactor's lock held) ----------------------------------------------
+
+    def deliver(self, slot: Slot) -> None:
+        call: NodeCall = slot.tag
+        if self.calls[call.index] is not call or not all(each.done for each in call.slots):
+            return None  # a superseded call, or the rest of its replies is still to come
+        assert call.main is not None
+        reply = call.main.reply
+        if (
+            isinstance(reply, ErrorReply)
+            and (
+                reply.code in _FOLLOWED
+                or (reply.code == "TRYAGAIN" and self.script.alone and not call.alone)
+            )
+            and not self.finished
+            and self.follow_ups_left[call.index] > 0
+        ):
+            self.follow_ups_left[call.index] -= 1
+            self.follow_ups.append((call, call.main))
+            self.call_attention()
+            return None
+        self._take(call)
+        return None
+
+    def _send_unattended(self, call: NodeCall, reply: object) -> None:
+        """A round that succeeded while a member's NOSCRIPT (its script cache was emptied) was
+        still to be followed: the member runs the call anyway, with the source and unattended,
+        so that it holds what the others do. Sent before the round returns, so it goes out
+        ahead of whatever the caller sends next (a release)."""
+        noscript = isinstance(reply, ErrorReply) and reply.code == "NOSCRIPT"
+        if noscript and self.successes >= self.quorum:
+            packed = self._packed(by_source=True)
+            failed = self.connections.channel(call.endpoint).send(packed, [Slot(None, "late")])
+            self.connections.reactor.deliver(failed)
+
+    def _take(self, call: NodeCall) -> None:
+        assert call.main is not None
+        index, reply, endpoint = call.index, call.main.reply, call.endpoint
+        node = self.nodes[index]
+        if call.main.failure:
+            node.notice_failure(endpoint)
+            self._owe(endpoint)
+            self._settle(index, call.main.failure)
+            return
+        denied = [slot.reply for slot in call.slots if isinstance(slot.reply, ErrorReply)]
+        if denied and call.main is not call.slots[0] and denied[0] is call.slots[0].reply:
+            reply = denied[0]  # ASKING refused (an ACL without +asking): that is the answer
+        if isinstance(reply, ErrorReply):
+            node.notice(reply, endpoint)  # MOVED, READONLY...: the member learns anew
+            if reply.code in ("MOVED", "ASK", "TRYAGAIN"):
+                # The slot is being moved (TRYAGAIN: its keys are split between two masters for
+                # a moment): no answer this round, and no fault of the server's.
+                self._settle(index, f"the slot is moving: {reply}")
+            else:
+                endpoint.mark_down(time.monotonic(), f"error reply: {reply}")
+                self._owe(endpoint)
+                self._settle(index, endpoint.last_error)
+            return
+        verdict = self.judge(reply)
+        if verdict is None:
+            why = f"a reply the {self.script.name} script cannot give: {reply!r:.80}"
+            endpoint.mark_down(time.monotonic(), why)
+            self._settle(index, endpoint.last_error)
+            return
+        if verdict and call.replicas is not None:
+            acknowledged = call.replicas.reply
+            if isinstance(acknowledged, ErrorReply):  # WAIT refused (an ACL without +wait)
+                endpoint.mark_down(time.monotonic(), f"error reply: {acknowledged}")
+                self._settle(index, endpoint.last_error)
+                return
+            if not isinstance(acknowledged, int) or acknowledged < node.wait_replicas:
+                node.notice_failure(endpoint)  # a failover may have left the master alone
+                self._settle(
+                    index,
+                    f"{acknowledged if isinstance(acknowledged, int) else 'no'} of "
+                    f"{node.wait_replicas} replicas acknowledged the write in time",
+                )
+                return
+        self.replies[index] = reply
+        self.answered += 1
+        self.outstanding -= 1
+        if verdict:
+            self.successes += 1
+        else:
+            self.failures += 1
+        self._check()
+
+    def _settle(self, index: int, why: str) -> None:
+        """Record that member ``index`` gave no usable reply."""
+        self.why_not[index] = why
+        self.failures += 1
+        self.outstanding -= 1
+        self._check()
+
+    def _check(self) -> None:
+        if not self.satisfied and self.decided():
+            self.satisfy()
+
+    def decided(self) -> bool:
+        """True once the outcome is known: a quorum succeeded, a majority refused, or no quorum
+        can succeed and every reply in flight has been read."""
+        if self.outstanding <= 0:
+            return True
+        if self.every:
+            return False
+        quorum = self.quorum
+        if self.successes >= quorum:
+            return True
+        if self.failures < len(self.nodes) - quorum + 1:
+            return False
+        return self.answered >= quorum
+
+    # -- waiting -----------------------------------------------------------------------------
+
+    def collect(self) -> None:
+        """Wait for replies until the outcome is known or node_timeout has passed (counted from
+        the last send), following redirections and script loads on the way."""
+        reactor = self.connections.reactor
+        while True:
+            reactor.wait(self, self.deadline)
+            if self.satisfied and not self.attention:
+                return  # satisfied is set once and for all: no lock needed to read it
+            with reactor.lock:
+                follow_ups, self.follow_ups = self.follow_ups, []
+                self.attention = False
+                satisfied = self.satisfied
+            if satisfied:
+                for call, slot in follow_ups:
+                    self._send_unattended(call, slot.reply)
+                return
+            if follow_ups:
+                for call, slot in follow_ups:
+                    self._follow(call, slot.reply)
+                self.deadline = max(self.deadline, time.monotonic() + self.patience)
+                continue
+            if time.monotonic() >= self.deadline:
+                break
+        self._time_out()
+
+    def _follow(self, call: NodeCall, reply: ErrorReply) -> None:
+        index, alone = call.index, call.alone
+        node = self.nodes[index]
+        if reply.code == "NOSCRIPT":
+            # The server lost its script cache (restart, SCRIPT FLUSH): send the source.
+            packed = self._packed(by_source=True, alone=alone)
+            self._send(index, node, call.endpoint, packed, asking=False, alone=alone)
+            return
+        if reply.code == "TRYAGAIN":
+            # The slot is half migrated: its keys are split between two servers, which no
+            # script can span. The script runs on the lock key alone, wherever that lives now.
+            endpoint = node.endpoint_for(self.key)
+            if endpoint is not None:
+                packed = self._packed(by_source=self.script.inline, alone=True)
+                self._send(index, node, endpoint, packed, asking=False, alone=True)
+                return
+            redirect = None
+        else:
+            redirect = node.redirect(reply, call.endpoint)
+        if redirect is None:
+            with self.connections.reactor.lock:
+                self._take(call)
+            return
+        packed = self._packed(by_source=self.script.inline, alone=alone)
+        self._send(index, node, redirect.endpoint, packed, asking=redirect.asking, alone=alone)
+
+    def _time_out(self) -> None:
+        """Whoever has not answered misses this round. A server that sent nothing for the
+        round's patience is backed off, and once silent for `hung_after` its connection fails
+        (with every slot waiting on it, other rounds' too). One that keeps answering, only late,
+        is left alone: its late replies are read and dropped."""
+        now = time.monotonic()
+        failed: list[Slot] = []
+        waited = f"no reply within {self.patience:.3g}s"
+        for call in self.calls:
+            if call is not None and call.main is not None and not call.main.done:
+                channel = call.main.channel
+                if channel is not None:
+                    failed_now = channel.fail_if_late(now, hung_after(self.node_timeout))
+                    if not failed_now and channel.silent_for(now, self.patience):
+                        call.endpoint.mark_down(now, waited)
+                    failed += failed_now
+        reactor = self.connections.reactor
+        reactor.deliver(failed)
+        with reactor.lock:
+            for call in self.calls:
+                if call is not None and not all(slot.done for slot in call.slots):
+                    self.calls[call.index] = None
+                    if call.endpoint.is_backed_off(now):
+                        # Silent: its connection may fail before the command is read. A server
+                        # that is only late reads it in order behind what it was sent before.
+                        self._owe(call.endpoint)
+                    if call.main is not None and call.main.done and call.replicas is not None:
+                        why = f"its replicas did not acknowledge within {self.patience:.3g}s"
+                        self._settle(call.index, f"{why} (WAIT)")
+                    else:
+                        self._settle(call.index, waited)
+            self.finished = True
+
+    def finish(self) -> RoundResult:
+        """What the round learned; replies arriving later are read and dropped."""
+        if self.outstanding <= 0:  # every member has answered or failed: nothing changes now
+            self.finished = True
+            return RoundResult(
+                self.replies, self.successes, self.answered, time.monotonic(), self.why_not
+            )
+        with self.connections.reactor.lock:
+            self.finished = True
+            return RoundResult(
+                list(self.replies),
+                self.successes,
+                self.answered,
+                time.monotonic(),
+                list(self.why_not),
+            )

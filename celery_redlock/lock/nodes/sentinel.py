@@ -1,0 +1,102 @@
+"""A Sentinel-managed master as one member of the quorum (`SentinelNode`).
+
+The member is whichever server the sentinels name as the master of the service (``SENTINEL MASTER``:
+one they see up, as redis-py's ``Sentinel.discover_master`` requires). It is asked on first use, and
+again in the background after the master fails or answers ``READONLY`` (a master demoted by a
+failover), and at least every `REFRESH_SECONDS` while the member is used (a master replaced while it
+keeps running says nothing for several seconds). Replication is asynchronous: a lock granted by a
+master that fails before its replica got the write is lost with it, and a grant by a replaced master
+that has not noticed yet is not seen by the new one, unless ``redlock_wait_replicas`` makes a grant
+count only once replicas acknowledged it.
+"""
+
+from __future__ import annotations
+
+from ...errors import RedlockError
+from ...settings import redact_url
+from .endpoint import Endpoint, KnownServers
+from .locating import Locator, first_answer
+from .members import LockNode
+from .resp import ErrorReply
+
+MIN_OTHER_SENTINELS = 0
+"""How many other sentinels the answering sentinel must see beside itself for its master to count
+(redis-py's ``min_other_sentinels``, 0 by default there too)."""
+
+REFRESH_SECONDS = 1.0
+"""How old the master's address may get before the sentinels are asked again (in the background).
+After a ``SENTINEL FAILOVER`` the old master keeps running, and answers writes as a master,
+for some seconds until the sentinels turn it into a replica: nothing else tells the member, and a
+member that kept granting locks there would disagree with every member that asked afresh."""
+
+
+class SentinelNode(LockNode):
+    """The master the ``sentinels`` name for ``service``, counted as one member of the quorum.
+    ``master`` holds the master's connection options (database, credentials, TLS); its address
+    is replaced by the one the sentinels give."""
+
+    def __init__(
+        self,
+        url: str,
+        sentinels: list[Endpoint],
+        service: str,
+        master: Endpoint,
+        wait_replicas: int = 0,
+    ) -> None:
+        self.name = redact_url(url)
+        self.sentinels = sentinels
+        self.service = service
+        self.wait_replicas = wait_replicas
+        self.servers = KnownServers(master)
+        self._master: Endpoint | None = None
+        self.locator = Locator(self.name, self._ask_sentinels, master.timeout)
+
+    def endpoint_for(self, key: str) -> Endpoint | None:
+        if self.locator.ensure():
+            self.locator.refresh_if_older(REFRESH_SECONDS)
+        return self._master
+
+    def endpoints(self) -> list[Endpoint]:
+        self.locator.ensure(wait_for_the_look=True)
+        return [self._master] if self._master is not None else []
+
+    def locating_error(self) -> str:
+        return f"no sentinel named its master ({self.locator.last_error or 'not asked yet'})"
+
+    def notice(self, reply: ErrorReply, endpoint: Endpoint) -> None:
+        # Inside a script on Redis 6.2 every error reply is an "ERR ...": read the text too.
+        if reply.code in ("READONLY", "LOADING", "MASTERDOWN") or "READONLY" in reply.text:
+            self.locator.relocate()
+
+    def notice_failure(self, endpoint: Endpoint) -> None:
+        self.locator.relocate()
+
+    def _ask_sentinels(self) -> None:
+        """Ask the sentinels (at once) for the master's address; the first answer wins."""
+        self._master = first_answer(self.sentinels, self._master_named_by, lambda s: s.name)
+
+    def _master_named_by(self, sentinel: Endpoint) -> Endpoint:
+        with sentinel.client() as client:
+            state = client.sentinel_master(self.service)  # SENTINEL MASTER, parsed by redis-py
+        host, port = master_address(state)
+        return self.servers.at(host, port)
+
+
+def master_address(state: object) -> tuple[str, int]:
+    """The address of the master a sentinel describes (its ``SENTINEL MASTER`` reply, as redis-py
+    parses it) — with redis-py's own checks (``Sentinel.check_master_state``): a master the
+    sentinel sees down (subjectively or objectively), or no longer as a master, or together with
+    fewer than `MIN_OTHER_SENTINELS` other sentinels, is refused (`RedlockError`)."""
+    if not isinstance(state, dict):
+        raise RedlockError(f"gave a reply no sentinel gives to SENTINEL MASTER: {state!r:.60}")
+    if not state.get("is_master") or state.get("is_sdown") or state.get("is_odown"):
+        raise RedlockError(
+            f"does not see {state.get('name')!r} up as a master ({state.get('flags')})"
+        )
+    others = state.get("num-other-sentinels")
+    if not isinstance(others, int) or others < MIN_OTHER_SENTINELS:
+        raise RedlockError(f"sees {others!r} other sentinels, fewer than {MIN_OTHER_SENTINELS}")
+    host, port = state.get("ip"), state.get("port")
+    if not isinstance(host, str) or not host or not isinstance(port, int) or not 0 < port < 65536:
+        raise RedlockError(f"names no valid master address: {host!r}:{port!r}")
+    return host, port

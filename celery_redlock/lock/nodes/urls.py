@@ -1,0 +1,67 @@
+"""From an entry of ``redlock_urls`` to the quorum member it stands for.
+
+- ``redis://``, ``rediss://``, ``unix://`` — one standalone server;
+- ``redis+cluster://[user:password@]host:port[,host:port...][?options]`` (``rediss+cluster://``
+  with TLS) — a Redis Cluster, found through any of the seed servers;
+- ``redis+sentinel://[user:password@]host:26379[,host:26379...]/<service>[/<db>][?options]``
+  (``rediss+sentinel://``) — the master that the sentinels name for the service. The credentials
+  are the master's; sentinels that require their own take ``sentinel_username`` and
+  ``sentinel_password`` options.
+
+Query options are redis-py's (``ssl_ca_certs=...``) and apply to every server of the member.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ...settings import CLUSTER_SCHEMES, SENTINEL_SCHEMES, MultiHostURL
+from .cluster import ClusterNode
+from .endpoint import Endpoint
+from .members import LockNode, StandaloneNode
+from .sentinel import SentinelNode
+
+
+def member_from_url(
+    url: str,
+    node_timeout: float,
+    username: str | None = None,
+    password: str | None = None,
+    wait_replicas: int = 0,
+) -> LockNode:
+    """The member ``url`` names (a URL already checked by `celery_redlock.settings.check_url`):
+    a standalone server, a Redis Cluster or a Sentinel-managed master. ``username`` and
+    ``password`` apply where the URL names no credentials; ``wait_replicas`` to Cluster and
+    Sentinel members."""
+    scheme = url.partition("://")[0]
+    if scheme in CLUSTER_SCHEMES:
+        parts = MultiHostURL.parse(url)
+        seeds = [
+            Endpoint.from_url(parts.server_url(host, port), node_timeout, username, password)
+            for host, port in parts.hosts
+        ]
+        return ClusterNode(url, seeds, wait_replicas)
+    if scheme in SENTINEL_SCHEMES:
+        parts = MultiHostURL.parse(url)
+        service, _, database = parts.path.strip("/").partition("/")
+        sentinels = [
+            Endpoint.from_url(parts.server_url(host, port, sentinel=True), node_timeout)
+            for host, port in parts.hosts
+        ]
+        host, port = parts.hosts[0]
+        master = Endpoint.from_url(
+            parts.server_url(host, port, f"/{database or 0}"), node_timeout, username, password
+        )
+        return SentinelNode(url, sentinels, service, master, wait_replicas)
+    return StandaloneNode(Endpoint.from_url(url, node_timeout, username, password))
+
+
+def members_from_urls(
+    urls: Sequence[str],
+    node_timeout: float,
+    username: str | None = None,
+    password: str | None = None,
+    wait_replicas: int = 0,
+) -> list[LockNode]:
+    """The members of a quorum, one per URL."""
+    return [member_from_url(url, node_timeout, username, password, wait_replicas) for url in urls]

@@ -1,0 +1,157 @@
+"""What an acquisition asks (`Acquisition`) and yields: the `Lock` held, the `Record` kept
+beside it, and the typed `Outcome` of one attempt — `Acquired`, `Held` (a majority names one
+holder), `Contended` (no majority either way: a split vote or stale leftovers), `Unavailable`
+(fewer than a majority answered) or `Covered` (a record kept beside the lock covers the
+caller's rank)."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ..errors import QuorumUnavailable
+from .owner import lock_value, owner_text_of
+
+TOKEN_BYTES = 20
+
+
+def new_token() -> str:
+    """A fresh lock token: 20 random bytes from `secrets`, as hex (never contains ``|``)."""
+    return secrets.token_hex(TOKEN_BYTES)
+
+
+@dataclass(slots=True)
+class Lock:
+    """A lock held on a majority of nodes.
+
+    ``validity`` is how many seconds the lock was guaranteed to stay valid when acquisition (or
+    the last extension) finished; `remaining` says how much of it is left now. ``owner`` is
+    non-secret text stored beside the token (who holds the lock), shown to other contenders.
+    The token, which allows releasing the lock, is left out of ``repr``.
+
+    ``fencing_token`` grows with every acquisition of the same resource (as long as a majority
+    of nodes keeps its data and the clients' clocks agree within the ttl): pass it to the storage
+    you write to and have it reject writes carrying a smaller token than it has seen.
+    """
+
+    resource: str
+    key: str
+    token: str = field(repr=False)
+    validity: float
+    ttl: float
+    owner: str = ""
+    valid_until: float = field(default=0.0, repr=False)
+    fencing_token: int = 0
+
+    @property
+    def value(self) -> str:
+        """What is stored on the nodes: the token, then the owner text."""
+        return lock_value(self.token, self.owner)
+
+    def remaining(self) -> float:
+        """Seconds of guaranteed validity left now: 0 once it ran out or was released."""
+        return max(0.0, self.valid_until - time.monotonic())
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """A record kept beside a lock, checked atomically with every acquisition and written with the
+    release: field ``field`` of the hash at ``key`` (a key in the lock's hash slot, see
+    `keyspace`) holds the highest ``rank`` released, and lives ``ttl`` seconds
+    after the last write. An attempt whose rank the record covers ends `Covered`."""
+
+    key: str
+    field: str
+    rank: tuple[int, int]
+    ttl: float
+
+    @property
+    def rank_text(self) -> str:
+        """The rank as the scripts store it (``"major:minor"``)."""
+        return f"{self.rank[0]}:{self.rank[1]}"
+
+
+@dataclass(frozen=True, slots=True)
+class Acquisition:
+    """What stays the same over every round of one acquisition: the resource and its key, the
+    ttl, the owner text and the token (one token for every round), and the options of
+    `Redlock.attempt`."""
+
+    resource: str
+    key: str
+    ttl: float
+    owner: str
+    token: str
+    replaces: str = ""
+    record: Record | None = None
+    rounds: int | None = None
+
+
+@dataclass(frozen=True)
+class Acquired:
+    """The attempt took the lock."""
+
+    lock: Lock
+
+
+@dataclass(frozen=True)
+class Held:
+    """A majority of the nodes hold the lock for one other owner (``holder``: its owner text),
+    whose lock is gone from a majority in ``expires_in`` seconds unless it is extended."""
+
+    holder: str
+    expires_in: float
+
+
+@dataclass(frozen=True)
+class Contended:
+    """A quorum answered but no majority names a holder: racing callers or leftovers on a
+    minority. Worth another attempt after ``retry_in`` seconds (or a release notification)."""
+
+    retry_in: float
+
+
+@dataclass(frozen=True)
+class Unavailable:
+    """Fewer than a majority of the nodes answered: nothing can be decided."""
+
+    error: QuorumUnavailable
+
+
+@dataclass(frozen=True)
+class Covered:
+    """The `Record` the attempt asked about covers its rank (at least one node says so)."""
+
+
+Outcome = Acquired | Held | Contended | Unavailable | Covered
+
+
+def copies_agree(copies: Sequence[tuple[str, int]], quorum: int) -> bool:
+    """True when at least ``quorum`` of the per-node ``(stored value, pttl in ms)`` copies carry
+    one same value, the empty one (no lock there) included: a majority names the holder, or
+    names none."""
+    counts: dict[str, int] = {}
+    for value, _ in copies:
+        counts[value] = counts.get(value, 0) + 1
+    return any(count >= quorum for count in counts.values())
+
+
+def majority_holder(copies: Sequence[tuple[str, int]], quorum: int) -> Held | None:
+    """The holder when at least ``quorum`` of the per-node ``(stored value, pttl in ms)`` copies
+    carry one same value (a pttl below 0 means no expiry), else None.
+
+    The holder's lock is gone once all but ``quorum - 1`` of its copies expired, so ``expires_in``
+    is the ``len - quorum + 1``-th soonest expiry.
+    """
+    by_value: dict[str, list[float]] = {}
+    for value, milliseconds in copies:
+        if value:
+            left = float("inf") if milliseconds < 0 else milliseconds / 1000
+            by_value.setdefault(value, []).append(left)
+    for value, lefts in by_value.items():
+        if len(lefts) >= quorum:
+            expires_in = sorted(lefts)[len(lefts) - quorum]
+            return Held(owner_text_of(value), max(expires_in, 0.0))
+    return None
