@@ -16,6 +16,7 @@ from .errors import (
 )
 from .fencing import StaleFence
 from .integration.keys import LockKeyError
+from .integration.process_loss import LockAwareRequest
 from .integration.task import SingletonTask, singleton_task
 from .integration.wiring import connect as _connect_signal_handlers
 from .lock.outcomes import Lock
@@ -30,6 +31,7 @@ __all__ = [
     "DuplicateCoalesced",
     "DuplicateSkipped",
     "Lock",
+    "LockAwareRequest",
     "LockKeyError",
     "LockLost",
     "LockNotAcquired",
