@@ -506,6 +506,17 @@ class Run:
         )
 
 
+def current_run(task: Any) -> Run | None:
+    """The run of ``task`` under way in this thread. A plain function call's run sits on the
+    request it pushed, below the one Celery's ``Task.__call__`` pushes for the body (which
+    older Celery versions do not copy it into)."""
+    for request in reversed(task.request_stack.stack or ()):
+        run: Run | None = getattr(request, RUN_ATTRIBUTE, None)
+        if run is not None:
+            return run
+    return None
+
+
 def error_of(outcome: Outcome) -> QuorumUnavailable | None:
     """The error of an `Unavailable` outcome, else None."""
     return outcome.error if isinstance(outcome, Unavailable) else None

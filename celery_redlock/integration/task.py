@@ -21,7 +21,7 @@ from . import enqueue, events
 from .keys import LockKey
 from .plan import PLAN_ATTRIBUTE, TaskPlan, check_class_options, make_plan
 from .process_loss import LockAwareRequest
-from .run import RUN_ATTRIBUTE, Run
+from .run import Run, current_run
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class SingletonTask(Task):  # type: ignore[misc]
     @property
     def lock(self) -> Lock | None:
         """The `Lock` held by the current run, or None."""
-        run: Run | None = getattr(self.request, RUN_ATTRIBUTE, None)
+        run = current_run(self)
         return run.lock if run is not None and run.kept is not None else None
 
     def extend_lock(self, ttl: float | None = None) -> bool:
@@ -79,7 +79,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         is still valid; raises `LockLost` when the lock is gone, so a long task can stop at its
         next step. Never extends past the run's hard time limit.
         """
-        run: Run | None = getattr(self.request, RUN_ATTRIBUTE, None)
+        run = current_run(self)
         if run is None or run.kept is None:
             raise RedlockError(
                 f"{self.name}.extend_lock() was called outside a run that holds a lock; call it "
