@@ -103,7 +103,10 @@ class Run:
         if request.id and not request.is_eager and completed_ttl > 0:
             field = message_field(task.name, request)
             record_key = keyspace.records_key(key, request.id)
-            self.record = Record(record_key, field, self.attempt_rank, completed_ttl)
+            # A copy redelivered within the window, or one deferred behind its holder (back once
+            # the holder's lock expired), finds the record.
+            lifetime = completed_ttl + plan.ttl + plan.hold
+            self.record = Record(record_key, field, self.attempt_rank, lifetime)
             self.writes_record = copy_may_come(task.acks_late, request, completed_ttl)
         self.hold = plan.hold
         self.started = time.monotonic()
