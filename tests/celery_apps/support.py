@@ -14,7 +14,6 @@ Real worker subprocesses are `celery_apps.subprocesses.WorkerProcess`.
 from __future__ import annotations
 
 import contextlib
-import gc
 import hashlib
 import itertools
 import json
@@ -22,16 +21,14 @@ import os
 import threading
 import time
 import uuid
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
-from urllib.parse import urlsplit
 
 import pytest
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 from kombu.asynchronous import set_event_loop
-from redlock_support import values_on, wait_until
+from redlock_support import collect_results_while_the_broker_is_up, values_on, wait_until
 
 from celery_apps.subprocesses import Recorder
 from celery_redlock import signals as lock_signals_module
@@ -136,25 +133,7 @@ def embedded_worker(
         # kombu before 5.6 keeps the stopped worker's hub as the process's event loop, and the
         # next embedded worker's ETA timers never fire on it (celery#9983, kombu#2404).
         set_event_loop(None)
-        collect_worker_thread_backends(app)
-
-
-def collect_worker_thread_backends(app: Celery) -> None:
-    """Collect the result back-ends of the embedded worker's threads, now that they ended.
-
-    Celery keeps one back-end per thread and never closes those of the worker's threads: they
-    linger in reference cycles until a garbage collection finds their connections unclosed. That
-    leak is Celery's, so the ResourceWarnings of sockets to the result back-end are dropped
-    here; any other unclosed socket (to a lock node, say) still fails the test."""
-    backend_port = urlsplit(str(app.conf.result_backend or "")).port
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", ResourceWarning)
-        gc.collect()
-    for warning in caught:
-        text = str(warning.message)
-        if backend_port is not None and f"raddr=('127.0.0.1', {backend_port})" in text:
-            continue
-        warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+        collect_results_while_the_broker_is_up()  # the worker threads' result back-ends
 
 
 class LockSignals:
