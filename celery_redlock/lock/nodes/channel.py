@@ -140,17 +140,6 @@ class Channel:
         sock = self.socket
         return sock.fileno() if sock is not None else -1
 
-    @property
-    def oldest_sent_at(self) -> float | None:
-        """When the oldest command still waiting for its reply was queued, None if none is."""
-        pending = self._pending
-        return pending[0].sent_at if pending else None
-
-    @property
-    def busy(self) -> bool:
-        """True while replies are owed on this connection."""
-        return bool(self._pending)
-
     # -- writing -----------------------------------------------------------------------------
 
     def send(
