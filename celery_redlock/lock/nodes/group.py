@@ -14,86 +14,21 @@ reading them (`nodes.reactor`). After a fork the child opens its own.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import threading
 import time
 import weakref
 from collections.abc import Sequence
 
-from ..scripts import LOADED_ON_CONNECT, Script
-from .channel import Channel, Slot
-from .endpoint import Endpoint
+from ..scripts import Script
+from .channel import Slot
 from .members import LockNode
-from .reactor import Reactor, Waiting
-from .resp import pack_command
+from .reactor import Connections, Waiting
 from .round import Judge, Members, Round, RoundResult, ScriptHeads, patience
 from .subscriber import Subscriber
 from .unattended import Unattended
 
 logger = logging.getLogger(__name__)
-
-# Sent before the first command of every new connection (their replies are skipped): a round
-# that decides before a slow server answers would never read its NOSCRIPT.
-SCRIPT_LOADS = tuple(pack_command("SCRIPT", "LOAD", script.source) for script in LOADED_ON_CONNECT)
-
-
-class Connections:
-    """This process's connections to the servers of one group: one `Channel` per server, one
-    `Subscriber` per server for release notifications, and the `Reactor` that reads them."""
-
-    def __init__(self) -> None:
-        self.pid = os.getpid()
-        self.reactor = Reactor()
-        self.guard = threading.Lock()
-        self.channels: dict[int, Channel] = {}
-        self.subscribers: dict[int, Subscriber] = {}
-
-    def channel(self, endpoint: Endpoint) -> Channel:
-        """The connection to ``endpoint`` (made, not yet opened, on first use)."""
-        channel = self.channels.get(id(endpoint))
-        if channel is None:
-            with self.guard:
-                channel = self.channels.get(id(endpoint))
-                if channel is None:
-                    reactor = self.reactor
-                    channel = Channel(endpoint, SCRIPT_LOADS, reactor.connection_opened, reactor)
-                    reactor.add_channel(channel, channel)
-                    self.channels[id(endpoint)] = channel
-        return channel
-
-    def subscriber(self, endpoint: Endpoint) -> Subscriber:
-        """The release-notification connection to ``endpoint`` (made on first use)."""
-        subscriber = self.subscribers.get(id(endpoint))
-        if subscriber is None:
-            with self.guard:
-                subscriber = self.subscribers.get(id(endpoint))
-                if subscriber is None:
-                    subscriber = Subscriber(endpoint, self.reactor.connection_opened)
-                    self.reactor.add_channel(subscriber)
-                    self.subscribers[id(endpoint)] = subscriber
-        return subscriber
-
-    def close(self) -> None:
-        """Close every connection; the slots still waiting get no reply."""
-        failed: list[Slot] = []
-        for channel in list(self.channels.values()):
-            failed += channel.close()
-        for subscriber in list(self.subscribers.values()):
-            subscriber.close()
-        self.reactor.deliver(failed)
-
-    def dispose(self) -> None:
-        """Close every socket without taking any lock: for a group that is gone, or the parent's
-        connections in a forked child (where another thread may have held a lock at the fork)."""
-        sockets = [channel.socket for channel in self.channels.values()]
-        sockets += [subscriber.socket for subscriber in self.subscribers.values()]
-        for sock in sockets:
-            if sock is not None:
-                with contextlib.suppress(OSError):
-                    sock.close()
-        self.reactor.close()
 
 
 class NodeGroup:

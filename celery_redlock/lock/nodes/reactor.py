@@ -1,4 +1,5 @@
-"""Who reads the connections of a process: the threads that wait, one at a time (`Reactor`).
+"""A process's connections to the servers of one group (`Connections`), and who reads them: the
+threads that wait, one at a time (`Reactor`).
 
 A thread that waits for replies (a `Waiting`) becomes the *reader* when nobody else is reading:
 it polls every connection of the process, reads what arrives and hands each reply to the slot it
@@ -23,7 +24,11 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
-from .channel import Slot, wait_readable
+from ..scripts import LOADED_ON_CONNECT
+from .channel import Channel, Slot, wait_readable
+from .endpoint import Endpoint
+from .resp import pack_command
+from .subscriber import Subscriber
 
 
 class Waiting:
@@ -227,3 +232,65 @@ class Reactor:
         for descriptor in (self._wake_reader_read, self._wake_reader_write):
             with contextlib.suppress(OSError):
                 os.close(descriptor)
+
+
+# Sent before the first command of every new connection (their replies are skipped): a round
+# that decides before a slow server answers would never read its NOSCRIPT.
+SCRIPT_LOADS = tuple(pack_command("SCRIPT", "LOAD", script.source) for script in LOADED_ON_CONNECT)
+
+
+class Connections:
+    """This process's connections to the servers of one group: one `Channel` per server, one
+    `Subscriber` per server for release notifications, and the `Reactor` that reads them."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.reactor = Reactor()
+        self.guard = threading.Lock()
+        self.channels: dict[int, Channel] = {}
+        self.subscribers: dict[int, Subscriber] = {}
+
+    def channel(self, endpoint: Endpoint) -> Channel:
+        """The connection to ``endpoint`` (made, not yet opened, on first use)."""
+        channel = self.channels.get(id(endpoint))
+        if channel is None:
+            with self.guard:
+                channel = self.channels.get(id(endpoint))
+                if channel is None:
+                    reactor = self.reactor
+                    channel = Channel(endpoint, SCRIPT_LOADS, reactor.connection_opened, reactor)
+                    reactor.add_channel(channel, channel)
+                    self.channels[id(endpoint)] = channel
+        return channel
+
+    def subscriber(self, endpoint: Endpoint) -> Subscriber:
+        """The release-notification connection to ``endpoint`` (made on first use)."""
+        subscriber = self.subscribers.get(id(endpoint))
+        if subscriber is None:
+            with self.guard:
+                subscriber = self.subscribers.get(id(endpoint))
+                if subscriber is None:
+                    subscriber = Subscriber(endpoint, self.reactor.connection_opened)
+                    self.reactor.add_channel(subscriber)
+                    self.subscribers[id(endpoint)] = subscriber
+        return subscriber
+
+    def close(self) -> None:
+        """Close every connection; the slots still waiting get no reply."""
+        failed: list[Slot] = []
+        for channel in list(self.channels.values()):
+            failed += channel.close()
+        for subscriber in list(self.subscribers.values()):
+            subscriber.close()
+        self.reactor.deliver(failed)
+
+    def dispose(self) -> None:
+        """Close every socket without taking any lock: for a group that is gone, or the parent's
+        connections in a forked child (where another thread may have held a lock at the fork)."""
+        sockets = [channel.socket for channel in self.channels.values()]
+        sockets += [subscriber.socket for subscriber in self.subscribers.values()]
+        for sock in sockets:
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.close()
+        self.reactor.close()

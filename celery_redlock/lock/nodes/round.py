@@ -9,24 +9,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from ..scripts import Script
-from .channel import NO_REPLY, Channel, Slot, hung_after
+from .channel import NO_REPLY, Slot, hung_after
 from .endpoint import Endpoint
 from .members import LockNode
-from .reactor import Reactor, Waiting
+from .reactor import Connections, Waiting
 from .resp import ErrorReply, pack_arguments, pack_command
-
-
-class RoundConnections(Protocol):
-    """The connections a round sends on (`nodes.group.Connections`)."""
-
-    reactor: Reactor
-
-    def channel(self, endpoint: Endpoint) -> Channel:
-        """The connection to ``endpoint``."""
-
 
 Judge = Callable[[Any], "bool | None"]
 """Tells what one member's reply to a script means: True — it did what was asked; False — it
@@ -112,7 +102,7 @@ class Members:
 
     nodes: Sequence[LockNode]
     node_timeout: float
-    connections: RoundConnections
+    connections: Connections
     script_head: Callable[[Script, bool], bytes]
 
 
