@@ -38,8 +38,11 @@ def redis_nodes() -> Iterator[MakeRedisNodes]:
     try:
         yield make
     finally:
-        collect_results_while_the_broker_is_up()
         errors: list[BaseException] = []
+        try:
+            collect_results_while_the_broker_is_up()
+        except BaseException as error:  # the servers are stopped whatever happens
+            errors.append(error)
         for nodes in made:
             try:
                 nodes.stop_all()

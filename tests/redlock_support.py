@@ -67,8 +67,10 @@ def collect_results_while_the_broker_is_up() -> None:
     sockets unclosed (a ResourceWarning, an error in this suite) in whatever test runs then.
     """
     for found in gc.get_objects():
-        if isinstance(found, RedisBackend):
-            client = found.__dict__.get("client")  # made on first use (a cached property)
+        # type(), not isinstance(): isinstance asks a Celery proxy for its __class__, which
+        # evaluates the proxy (a current app, a current task...).
+        if issubclass(type(found), RedisBackend):
+            client = vars(found).get("client")  # made on first use (a cached property)
             if client is not None:
                 client.connection_pool.disconnect()
     gc.collect()
