@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 from celery import Celery, Task, chord, signals
-from celery_apps.support import LockSignals, RunLog, embedded_worker, make_app
+from celery_apps.support import LockSignals, RunLog, completion_ranks, embedded_worker, make_app
 from redlock_support import requires_prompt_redelivery, wait_until
 
 from celery_redlock import singleton_task
@@ -315,6 +315,43 @@ def test_the_same_message_delivered_again_after_its_run_is_acknowledged_and_keep
     # The first run's result is never overwritten by the acknowledgement of its copy.
     assert _stored(app, result.id) == ("SUCCESS", ran)
     assert app.AsyncResult(result.id).get(timeout=5) == ran
+
+
+def test_a_redelivered_copy_acknowledged_on_receipt_records_its_run(
+    broker: RedisServer,
+    lock_nodes: RedisNodes,
+    make_test_app: MakeApp,
+    run_log: RunLog,
+    deliveries: dict[str, list[str]],
+) -> None:
+    # The broker hands a message out again when its first delivery stayed unacknowledged past the
+    # visibility timeout, waiting in a busy worker. The copy runs first and is acknowledged on
+    # receipt; it must still record its run, or the first delivery would run it again later.
+    app = make_test_app()
+
+    @singleton_task(app=app, shared=False, bind=True, name="identity.copy_first")
+    def job(self: Task, item: int) -> str:
+        with run_log.run(f"identity.copy_first:{item}", task_id=self.request.id) as entry:
+            return str(entry["run"])
+
+    result = job.delay(1)  # queued while no worker runs: the test can read the message
+    with broker.client() as client:
+        (raw_message,) = client.lrange("celery", 0, -1)
+        client.delete("celery")
+        client.lpush("celery", _redelivered(raw_message))  # the copy
+    with embedded_worker(app, pool="solo"):
+        ran = result.get(timeout=10)
+        assert wait_until(lambda: _broker_settled(broker), timeout=5)
+        with broker.client() as client:
+            client.lpush("celery", raw_message)  # the first delivery, finally let go
+        assert wait_until(
+            lambda: (
+                deliveries.get(result.id) == ["started", "finished"] * 2 and _broker_settled(broker)
+            ),
+            timeout=10,
+        ), (deliveries, run_log.runs())
+    assert [run["run"] for run in _runs_of(run_log, result.id)] == [ran]
+    assert completion_ranks(lock_nodes, result.id) == [{"0:0"}] * len(lock_nodes)
 
 
 @requires_prompt_redelivery

@@ -50,11 +50,12 @@ def stamp_received(request_dict: dict[str, Any]) -> None:
 def copy_may_come(acks_late: bool, request: Any, window: float) -> bool:
     """Whether a copy of the message of ``request`` may still be delivered once its body ran, so
     that the run must leave a record: the message is acknowledged after the body
-    (``acks_late``), or held unacknowledged until its ETA or countdown, or it waited in the
-    worker for more than half the broker's redelivery ``window`` (``visibility_timeout``) before
-    it was acknowledged on receipt, or when it was received is unknown. A message acknowledged
-    on receipt within the window is never delivered again."""
-    if acks_late or request.eta:
+    (``acks_late``), or held unacknowledged until its ETA or countdown, or is itself a copy the
+    broker delivered again (the first delivery may still be waiting, unacknowledged, in a
+    worker), or it waited in the worker for more than half the broker's redelivery ``window``
+    (``visibility_timeout``) before it was acknowledged on receipt, or when it was received is
+    unknown. A message acknowledged on receipt within the window is never delivered again."""
+    if acks_late or request.eta or (request.delivery_info or {}).get("redelivered"):
         return True
     received = getattr(request, RECEIVED_FIELD, None)
     if not isinstance(received, (int, float)) or isinstance(received, bool):
