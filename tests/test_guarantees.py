@@ -260,15 +260,21 @@ def test_runs_acknowledged_on_receipt_leave_nothing_on_the_lock_nodes(
             assert 170_000 < client.pttl(record) <= 180_000  # 120 s + the default ttl of 60 s
 
 
+@pytest.mark.parametrize("completed_ttl", [None, 600])
 def test_a_message_that_waited_past_half_the_redelivery_window_leaves_a_record(
-    broker: RedisServer, lock_nodes: RedisNodes, lock_signals: LockSignals
+    broker: RedisServer,
+    lock_nodes: RedisNodes,
+    lock_signals: LockSignals,
+    completed_ttl: int | None,
 ) -> None:
     # Acknowledged on receipt, but only when a pool thread took it: 1.5 s after the worker
-    # received it, past half the 2 s visibility_timeout. A copy may come: the run records itself.
+    # received it, past half the 2 s visibility_timeout. A copy may come: the run records itself
+    # — also where records are kept longer than the window (redlock_completed_ttl = 600).
     app = make_app(
         broker,
         lock_nodes,
         broker_transport_options={"visibility_timeout": 2, "polling_interval": 0.1},
+        redlock_completed_ttl=completed_ttl,
     )
 
     @singleton_task(app=app, shared=False, name="edge.queued")

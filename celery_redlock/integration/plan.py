@@ -18,6 +18,7 @@ from ..settings import (
     check_policy,
     check_seconds,
     closest_name,
+    redelivery_window,
 )
 from .keys import KeyRecipe, LockKey, check_key_options, run_signature
 from .runtime import AppRuntime
@@ -57,6 +58,7 @@ class TaskPlan:
     soft_time_limit: float | None
     owner_texts: RunOwnerTexts
     replaces_claims: bool
+    redelivery_window: float  # the broker's visibility_timeout (`settings.redelivery_window`)
 
     def resource(self, args: Sequence[Any], kwargs: dict[str, Any]) -> str:
         """The lock resource of one call (`LockKeyError` when it cannot be derived)."""
@@ -101,6 +103,7 @@ def make_plan(task: Any) -> TaskPlan:
             task.soft_time_limit if task.soft_time_limit is not None else conf.task_soft_time_limit
         ),
         owner_texts=RunOwnerTexts(task.name),
+        redelivery_window=redelivery_window(conf.get("broker_transport_options")),
         replaces_claims=bool(task.lock_on_enqueue),
     )
 

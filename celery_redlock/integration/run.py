@@ -107,7 +107,8 @@ class Run:
             # the holder's lock expired), finds the record.
             lifetime = completed_ttl + plan.ttl + plan.hold
             self.record = Record(record_key, field, self.attempt_rank, lifetime)
-            self.writes_record = copy_may_come(task.acks_late, request, completed_ttl)
+            # The broker's window, not the record's lifetime (a user may keep records longer).
+            self.writes_record = copy_may_come(task.acks_late, request, plan.redelivery_window)
         self.hold = plan.hold
         self.started = time.monotonic()
         self.kept: KeptLock | None = None
