@@ -292,3 +292,46 @@ def test_a_clean_up_owed_for_a_value_is_dropped_once_that_value_is_a_lock_taken(
         three_nodes[2].resume()
     assert dlm.extend(outcome.lock)
     assert dlm.release(outcome.lock)
+
+
+def test_a_clean_up_on_its_way_runs_before_the_round_that_sets_its_value_again(three_nodes):
+    """A stalled node's late reply brings it back into rounds while its probe is still sending
+    the clean-up of the failed round's value (on the probe's own connection). The next round of
+    the same acquisition sets that value again: it must wait for that clean-up, which would
+    otherwise run after it and remove the lock the round counted on."""
+    dlm = Redlock(three_nodes.urls, retry_count=1, node_timeout=NODE_TIMEOUT)
+    dlm.release(dlm.acquire("warm-up", ttl=1.0))
+    key = dlm.key_for("owed")
+    endpoint = dlm.nodes[2].endpoint_for(key)
+    assert endpoint is not None
+    token = "2" * 40
+    on_its_way, gate = threading.Event(), threading.Event()
+
+    class HeldCleanUps(endpoint.connection_class):  # type: ignore[name-defined,misc]
+        def send_packed_command(self, command, check_health=True):
+            if any(token.encode() in part for part in command):
+                on_its_way.set()  # taken for payment, not yet sent: held until the gate opens
+                gate.wait(10)
+            super().send_packed_command(command, check_health)
+
+    endpoint.connection_class = HeldCleanUps
+    with three_nodes[0].client() as client:
+        client.set(key, f"{'1' * 40}|another", px=int(TTL * 1000))
+    three_nodes[2].pause()
+    try:
+        outcome = dlm.attempt("owed", TTL, "stalled-round", token=token, rounds=1)
+        assert not isinstance(outcome, Acquired)
+        assert endpoint.owed, "the failed round's release waits for the stalled node"
+    finally:
+        three_nodes[2].resume()
+    dlm.release(dlm.acquire("elsewhere", ttl=1.0))  # reads the node's late replies
+    assert on_its_way.wait(3.0), "the probe never sent the clean-up"
+    with three_nodes[0].client() as client:
+        client.delete(key)
+    threading.Timer(0.3, gate.set).start()
+    outcome = dlm.attempt("owed", TTL, "stalled-round", token=token)
+    assert isinstance(outcome, Acquired)
+    assert wait_until(lambda: gate.is_set() and not (endpoint.owed or endpoint.probing), 3.0)
+    values = [value_on(server, key) for server in three_nodes]
+    assert values == [outcome.lock.value] * 3, "the clean-up removed the lock the round took"
+    assert dlm.release(outcome.lock)

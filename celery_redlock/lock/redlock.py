@@ -190,6 +190,10 @@ class Redlock:
             clock = time.time_ns() // 1000
             arguments: list[str | int] = [value, ttl_ms, clock, acquisition.replaces, *extra]
             judge = acquire_judge(clock, record is not None)
+            # An earlier round of this acquisition (or an earlier attempt of the same run), with
+            # the same token, may have left a clean-up owed to a node that was silent: sent after
+            # this round, it would remove the lock this round takes.
+            self._group.forgive(key, value)
             try:
                 result = self._group.run(scripts.ACQUIRE, keys, arguments, judge, grants=True)
                 outcome = self._outcome(acquisition, started, result)
@@ -197,9 +201,6 @@ class Redlock:
                 self._release_value(key, value, ttl)  # an interrupted round may have set keys
                 raise
             if isinstance(outcome, Acquired):
-                # An earlier round of this acquisition, with the same token, may have left a
-                # clean-up owed to a node that was silent: it would now remove this lock.
-                self._group.forgive(key, value)
                 return outcome
             # Release everywhere, including nodes that seemed to fail: a SET may have landed.
             self._release_value(key, value, ttl)

@@ -164,8 +164,13 @@ class Endpoint:
         self._probing_pid = 0
         self._probe_sleeping = False
         self._probe_finished = threading.Event()
-        # Clean-ups owed to the server: (monotonic time they are useless after, packed command).
+        # Clean-ups owed to the server: (monotonic time they are useless after, packed command),
+        # and those a probe is sending now (`_payment_done` is set once their replies are read).
         self._owed: collections.deque[tuple[float, bytes]] = collections.deque()
+        self._paying: list[tuple[float, bytes]] = []
+        self._payment_done = threading.Event()
+        self._debts_guard = threading.Lock()
+        self._debts_pid = os.getpid()
 
     @classmethod
     def from_url(
@@ -301,19 +306,41 @@ class Endpoint:
         self._start_probe()
 
     def forgive(self, value: bytes) -> None:
-        """Drop the clean-ups owed for ``value``: its acquisition took the lock after all (a
-        later round of it, with the same token), and the lock must not be removed."""
-        owed = self._owed
-        if owed:
-            # One removal at a time: a clean-up owed meanwhile by another thread is kept.
-            for debt in [debt for debt in list(owed) if value in debt[1]]:
-                with contextlib.suppress(ValueError):
+        """Drop the clean-ups owed for ``value``, right before a round sets ``value`` again (a
+        later round of the acquisition that owed them, with the same token): sent after it, they
+        would remove the lock. When a probe is sending one of them now, wait for its reply
+        first (at most two probe timeouts): on its own connection, it could run after the round."""
+        for _ in range(2):
+            if not (self._owed or self._paying):
+                return
+            with self._debts():
+                owed = self._owed
+                for debt in [debt for debt in owed if value in debt[1]]:
                     owed.remove(debt)
+                in_flight = any(value in packed for _, packed in self._paying)
+                done = self._payment_done
+            if not in_flight:
+                return
+            # A payment that fails puts its clean-ups back: the second pass drops them.
+            done.wait(2 * max(self.timeout, PROBE_TIMEOUT_SECONDS))
 
     @property
     def owed(self) -> int:
         """How many clean-ups wait for the server to answer again."""
         return len(self._owed)
+
+    def _debts(self) -> threading.Lock:
+        """The lock under which clean-ups are taken for payment or forgiven. A child process gets
+        a new one (another thread may have held it at the fork), and owes again what the parent
+        was sending."""
+        pid = os.getpid()
+        if self._debts_pid != pid:
+            self._debts_guard = threading.Lock()
+            self._debts_pid = pid
+            self._owed.extend(self._paying)
+            self._paying = []
+            self._payment_done = threading.Event()
+        return self._debts_guard
 
     def _still_owed(self, now: float) -> bool:
         owed = self._owed
@@ -325,10 +352,13 @@ class Endpoint:
         """Send every clean-up still needed on ``connection`` (a new one, which the server reads
         after what the old connections hold) and read their replies; any that fail stay owed."""
         owed, now = self._owed, time.monotonic()
-        batch = [owed.popleft() for _ in range(len(owed))]
-        batch = [(until, packed) for until, packed in batch if until > now]
-        if not batch:
-            return
+        with self._debts():
+            batch = [owed.popleft() for _ in range(len(owed))]
+            batch = [(until, packed) for until, packed in batch if until > now]
+            if not batch:
+                return
+            self._paying = batch
+            done = self._payment_done = threading.Event()
         unpaid: list[tuple[float, bytes]] = []
         try:
             connection.send_packed_command([b"".join(packed for _, packed in batch)], False)
@@ -343,10 +373,14 @@ class Endpoint:
                         unpaid.append(debt)
                         self.last_error = describe_failure(error, self.options.get("username"))
         except BaseException:
-            owed.extend(batch)
+            unpaid = batch
             raise
+        finally:
+            with self._debts():
+                owed.extend(unpaid)
+                self._paying = []
+            done.set()
         if unpaid:
-            owed.extend(unpaid)
             raise ResponseError(f"clean-ups refused: {self.last_error}")
 
     @property

@@ -116,7 +116,7 @@ class NodeGroup:
         return round_.finish()
 
     def forgive(self, key: str, value: str) -> None:
-        """Drop the clean-ups owed for ``value`` at ``key``: it is a lock taken now."""
+        """Drop the clean-ups owed for ``value`` at ``key``: a round sets it now."""
         encoded = value.encode()
         for node in self.nodes:
             endpoint = node.endpoint_for(key)
