@@ -18,14 +18,14 @@ reported with the grant that allows it.
 - `reap` (`reap`): free, by token, only the locks whose holder is proven gone; workers run it
   on a timer (`start_reaper_thread`);
 
-with the records in `records`, the holders' workers asked in `workers`, the locks read across the
-nodes in `reading`, and every node asked at once in `fan_out`. `celery redlock`
-(celery_redlock.cli) is these functions with a command line around them.
+with the records in `records`, the holders' workers asked in `workers`, and the nodes read in
+`reading` (plain reads such as SCAN and INFO; scripts in rounds of the nodes layer's
+`NodeGroup`). `celery redlock` (celery_redlock.cli) is these functions with a command line around
+them.
 """
 
 from __future__ import annotations
 
-from .fan_out import NodeAnswer, NodeClient, ask_every_node
 from .locks import (
     call_key,
     find_task,
@@ -39,7 +39,7 @@ from .locks import (
     resolve_key,
     singleton_tasks,
 )
-from .reading import SCAN_BATCH, is_lock_value
+from .reading import SCAN_BATCH, NodeAnswer, is_lock_value
 from .reap import (
     KEEPER_LATENESS_SECONDS,
     NO_OWNER,
@@ -91,7 +91,6 @@ __all__ = [
     "LockListing",
     "LockRecord",
     "NodeAnswer",
-    "NodeClient",
     "NodeError",
     "NodeStatus",
     "NotALock",
@@ -100,7 +99,6 @@ __all__ = [
     "ReleaseResult",
     "StatusReport",
     "UnknownTask",
-    "ask_every_node",
     "call_key",
     "find_task",
     "force_release",

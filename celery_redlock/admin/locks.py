@@ -1,8 +1,9 @@
 """The locks themselves: which are held and by whom, the key a call locks, forced release.
 
 Key names come from `celery_redlock.lock.keyspace` only. A forced release deletes a key only
-when its name is a lock key and — checked atomically on each node, by `scripts.FORCE_RELEASE` —
-its value there is a lock value; anything else is refused by name and left alone.
+when its name is a lock key and — checked atomically on each node, by `scripts.FORCE_RELEASE` in
+one round over the nodes that answered the read — its value there is a lock value; anything else
+is refused by name and left alone.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from ..errors import QuorumUnavailable
 from ..integration.runtime import AppRuntime
 from ..integration.task import SingletonTask
 from ..lock import keyspace, scripts
+from ..lock.nodes import NodeGroup
 from ..lock.redlock import legacy_key_of
-from .fan_out import BadReply, NodeClient, ask_every_node, text
-from .reading import LockReader, unreachable_nodes
+from ..lock.replies import judge_forced_release
+from .reading import LockReader, text
 from .records import (
     DEFAULT_TIMEOUT,
     CallKey,
@@ -31,9 +33,6 @@ from .records import (
     UnknownTask,
 )
 from .workers import with_worker_checks
-
-SCRIPT_REFUSALS = ("it is a ", "its value is not a lock token")
-"""How every refusal of `scripts.FORCE_RELEASE` starts: its other string replies are garbage."""
 
 # -- the app's singleton tasks and the keys they lock ----------------------------------------
 
@@ -202,6 +201,8 @@ def holder(app: Any, task_name: str, /, *args: Any, **kwargs: Any) -> LockRecord
 
 # -- forced release ------------------------------------------------------------------------------
 
+CANNOT_GIVE = f"a reply the {scripts.FORCE_RELEASE.name} script cannot give: "
+
 
 def force_release(app: Any, key: str, *, timeout: float = DEFAULT_TIMEOUT) -> ReleaseResult:
     """Delete the lock ``key`` (a full key or a resource) on every node, whoever holds it.
@@ -225,21 +226,36 @@ def force_release(app: Any, key: str, *, timeout: float = DEFAULT_TIMEOUT) -> Re
             # Only nodes that answered the read: the others' copies expire by their ttl.
             failed = {error.node for error in before.unreachable}
             answering = [node for node in reader.nodes if node.name not in failed]
-            keys = keys_of_lock(app, full_key)
-            answers = ask_every_node(
-                answering, lambda client: release_forcibly(client, keys), timeout
-            )
-            errors += unreachable_nodes(answers)
-            deleted = [answer.node for answer in answers if answer.value is True]
-            refusals.update(
-                (answer.node, answer.value) for answer in answers if isinstance(answer.value, str)
-            )
+            group = NodeGroup(answering, timeout)
+            try:
+                keys = keys_of_lock(app, full_key)
+                result = group.run(
+                    scripts.FORCE_RELEASE, keys, (), judge_forced_release, every=True
+                )
+            finally:
+                group.close()
+            for node, reply, why in zip(answering, result.replies, result.failures, strict=True):
+                if why is not None:
+                    # The operators' words for a reply the script cannot give.
+                    if why.startswith(CANNOT_GIVE):
+                        why = (
+                            f"bad reply to the forced release: {why.removeprefix(CANNOT_GIVE)}, "
+                            "not 1, 0 or why the key is not a lock"
+                        )
+                    errors.append(NodeError(node.name, why))
+                elif reply == 1:
+                    deleted.append(node.name)
+                elif reply != 0:
+                    refusals[node.name] = text(reply)
             had = {copy.node: copy.value for copy in before.found[0].copies}
             after = reader.read([full_key])
             # A copy with another value is a new holder's (waiters are woken at once): not ours.
             copies = after.found[0].copies if after.found else ()
             still = {copy.node for copy in copies if had.get(copy.node) == copy.value}
     names = [node.name for node in reader.nodes]
+    first_errors: dict[str, NodeError] = {}
+    for error in errors:
+        first_errors.setdefault(error.node, error)
     return ReleaseResult(
         key=full_key,
         resource=resource,
@@ -248,30 +264,6 @@ def force_release(app: Any, key: str, *, timeout: float = DEFAULT_TIMEOUT) -> Re
         still_present_on=tuple(names[index] for index in sorted(still)),
         nodes_total=len(names),
         quorum=reader.quorum,
-        unreachable=first_error_per_node(errors),
+        unreachable=tuple(first_errors.values()),
         refused=tuple(Refusal(name, refusals[name]) for name in names if name in refusals),
     )
-
-
-def release_forcibly(client: NodeClient, keys: Sequence[str]) -> bool | str:
-    """Run the forced release of ``keys[0]`` (its 0.2-layout copy ``keys[1]``, if given, goes
-    with it) on one node, on the server that holds the key (a cluster's master of its slot):
-    True if deleted, False if the node has no such key, else why the key is not a lock there
-    (left alone)."""
-    script = scripts.FORCE_RELEASE.source
-    reply = client.call_for_key(keys[0], "EVAL", script, len(keys), *keys)
-    if isinstance(reply, (bytes, str)):
-        if not text(reply).startswith(SCRIPT_REFUSALS):
-            raise BadReply("the forced release", reply, "1, 0 or why the key is not a lock")
-        return text(reply)
-    if isinstance(reply, bool) or not (isinstance(reply, int) and reply in (0, 1)):
-        raise BadReply("the forced release", reply, "1, 0 or why the key is not a lock")
-    return bool(reply == 1)
-
-
-def first_error_per_node(errors: Sequence[NodeError]) -> tuple[NodeError, ...]:
-    """``errors`` with one entry per node (its first)."""
-    seen: dict[str, NodeError] = {}
-    for error in errors:
-        seen.setdefault(error.node, error)
-    return tuple(seen.values())

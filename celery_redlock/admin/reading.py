@@ -1,62 +1,147 @@
-"""Read the locks on every node: what `lock_listing`, `force_release` and `reap` start from.
+"""Read the lock nodes: what every operators' command starts from.
 
 A `LockReader` holds the app's settings and a `Redlock` over its nodes (with the operator's
-timeout) and reads lock keys — those named, or every lock key under the key prefix (SCAN, never
-KEYS) — across the nodes at once. A node that is a Redis Cluster is read on every master, each
-key where the cluster keeps it, and counts as one node. Only lock keys count
+timeout). Its `LockReader.ask` puts one question to every node at once, a thread per node, over
+plain redis-py clients (`NodeReads`): the reads that are no lock script — SCAN, GET and PTTL,
+INFO, PING, CONFIG GET. Scripts go through `NodeGroup` rounds, whose members follow ``MOVED``
+and ``ASK`` and whose judges check every reply. Whatever a node does — no answer, error replies,
+replies no Redis server gives, bytes that are not RESP — ends as that node's one-line error
+(`NodeAnswer.error`), never as an exception; a command an ACL denies is named with the
+``ACL SETUSER`` grant that allows it.
+
+`LockReader.read` reads lock keys — those named, or every lock key under the key prefix (SCAN,
+never KEYS) — on every node; a Redis Cluster is read on every master and counts as one node. A key
+whose slot moved is read again through a round of the read script. Only lock keys count
 (`celery_redlock.lock.keyspace.is_lock_key`), and only lock values (`is_lock_value`): fencing
 counters, completion records, schedule records, keys of other types and application values under
-the prefix are never taken for locks.
-
-Locks that celery_redlock 0.2 workers hold, under keys without braces
-(`keyspace.is_legacy_lock_key`), are found too, unless a node has a cluster member (0.2 could not
-use one); their records say so (``legacy_layout``). Today's workers write every lock at its 0.2
-key as well: such a copy, holding the value of the lock's own key, is the same lock and is not
-listed twice.
+the prefix are never taken for locks. Locks of celery_redlock 0.2 workers, under keys without
+braces (`keyspace.is_legacy_lock_key`), are found too, unless a node has a cluster member; today's
+workers also write every lock at its 0.2 key, and such a copy is not listed twice.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import Any, Generic, TypeVar
+from urllib.parse import urlsplit
 
-from redis.exceptions import AskError, ResponseError
+import redis
+from redis.exceptions import AskError, NoPermissionError, ResponseError
+from redis.exceptions import RedisError as RedisClientError
 
 from ..integration.runtime import AppRuntime
-from ..lock import keyspace
-from ..lock.nodes import LockNode
+from ..lock import keyspace, scripts
+from ..lock.nodes import Endpoint, LockNode, NodeGroup
 from ..lock.outcomes import majority_holder
 from ..lock.owner import Owner, owner_text_of
 from ..lock.redlock import from_settings, legacy_layout
+from ..lock.replies import is_copy, judge_copy
 from ..settings import RedlockSettings
-from .fan_out import (
-    BadReply,
-    NodeAnswer,
-    NodeClient,
-    ServerClient,
-    ask_every_node,
-    expect_integer,
-    expect_text,
-)
 from .records import LockRecord, NodeError
+
+Answer = TypeVar("Answer")
 
 SCAN_BATCH = 500
 SCAN_CALLS_LIMIT = 100_000  # a node whose cursor never comes back to 0 is not Redis
-
 LOCK_VALUE = re.compile(r"[0-9a-f]{40}(\|.*)?", re.DOTALL)
 NOT_A_LOCK_VALUE = (
     "its value is not a lock token (40 lowercase hex digits, then optionally | and owner)"
 )
+DENIED_COMMAND = re.compile(r"'([^']+)' command")
+SCRIPT_DENIED = "The user executing the script can't run this command"
 
 
 def is_lock_value(value: str) -> bool:
     """True for a value celery_redlock stores in a lock: a token (40 lowercase hex digits),
     alone or followed by ``|`` and the owner text."""
     return LOCK_VALUE.fullmatch(value) is not None
+
+
+class BadReply(Exception):
+    """A reply that no Redis server gives to that command: the node is broken, or not Redis."""
+
+    def __init__(self, command: str, reply: Any, expected: str) -> None:
+        shown = repr(reply)
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        super().__init__(f"bad reply to {command}: {shown}, not {expected}")
+
+
+@dataclass(frozen=True)
+class NodeAnswer(Generic[Answer]):
+    """One node's answer to a question: ``value``, or ``error`` (one line) when it has none."""
+
+    node: str
+    value: Answer | None = None
+    error: str | None = None
+
+
+class NodeReads:
+    """One lock node's servers through plain redis-py clients, one per server, opened on first
+    use. Replies come as the server sent them (redis-py's reply parsing breaks on replies no
+    Redis server gives): callers check them. ``user`` is the ACL user the node's URL logs in as
+    (``<user>`` when it names none)."""
+
+    def __init__(self, member: LockNode, timeout: float) -> None:
+        self.member = member
+        self.node = member.name
+        self.user = urlsplit(member.name).username or "<user>"
+        self.timeout = timeout
+        self.last_server = ""  # the server asked last: named when a node of several fails
+        self._clients: dict[int, redis.Redis] = {}
+
+    def servers(self) -> list[Endpoint]:
+        """Every server that holds the node's keys now (a cluster's masters; one otherwise).
+        Raises `ConnectionError` when the node cannot tell."""
+        endpoints = self.member.endpoints()
+        if not endpoints:
+            raise ConnectionError(self.member.locating_error())
+        return endpoints
+
+    def server_for(self, key: str) -> Endpoint:
+        """The server that holds ``key`` now, by the node's own routing."""
+        endpoint = self.member.endpoint_for(key)
+        if endpoint is None:
+            raise ConnectionError(self.member.locating_error())
+        return endpoint
+
+    def call(self, server: Endpoint, *arguments: str | int | bytes) -> Any:
+        """One command's reply from ``server``; an error reply raises `ResponseError`."""
+        return self._client(server).execute_command(*arguments)
+
+    def pipeline(self, server: Endpoint, commands: Sequence[Sequence[str | int]]) -> list[Any]:
+        """``commands`` sent to ``server`` in one write: their replies in order, an error reply
+        as a `ResponseError` in its place."""
+        pipeline = self._client(server).pipeline(transaction=False)
+        for command in commands:
+            pipeline.execute_command(*command)
+        return list(pipeline.execute(raise_on_error=False))
+
+    def _client(self, server: Endpoint) -> redis.Redis:
+        self.last_server = server.name
+        client = self._clients.get(id(server))
+        if client is None:
+            client = self._clients[id(server)] = server.client(self.timeout)
+            client.response_callbacks.clear()
+        return client
+
+    def where(self, error: str) -> str:
+        """``error``, naming the server that gave it when the node is several servers."""
+        if self.last_server and self.last_server != self.node:
+            return f"{self.last_server}: {error}"
+        return error
+
+    def close(self) -> None:
+        """Close every client."""
+        for client in self._clients.values():
+            with contextlib.suppress(RedisClientError, OSError):
+                client.close()
+        self._clients.clear()
 
 
 @dataclass(frozen=True)
@@ -80,15 +165,6 @@ class FoundLock:
 
 
 @dataclass(frozen=True)
-class NodeRead:
-    """What one node holds under the keys read: lock copies, and the keys that are there but
-    hold no lock (with why)."""
-
-    locks: dict[str, tuple[str, int]]
-    not_locks: dict[str, str]
-
-
-@dataclass(frozen=True)
 class LockRead:
     """Locks found (sorted by key), nodes that did not answer, and per key the nodes where it
     is not a lock (node name -> why)."""
@@ -96,6 +172,10 @@ class LockRead:
     found: list[FoundLock]
     unreachable: tuple[NodeError, ...]
     not_locks: dict[str, dict[str, str]]
+
+
+# Per node: lock key -> (stored value, pttl in ms), and key -> why it is not a lock there.
+NodeRead = tuple[dict[str, tuple[str, int]], dict[str, str]]
 
 
 class LockReader:
@@ -120,65 +200,80 @@ class LockReader:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        self.close()
+        self.redlock.close()
+
+    def ask(
+        self,
+        question: Callable[[NodeReads], Answer],
+        nodes: Sequence[LockNode] | None = None,
+        timeout: float | None = None,
+    ) -> list[NodeAnswer[Answer]]:
+        """Ask every node (or ``nodes``) ``question`` at once, each command bounded by the
+        timeout; one `NodeAnswer` per node, in order. Never raises for what a node does."""
+
+        def ask(node: LockNode) -> NodeAnswer[Answer]:
+            reads = NodeReads(node, timeout or self.timeout)
+            try:
+                return NodeAnswer(node.name, value=question(reads))
+            except Exception as error:
+                return NodeAnswer(node.name, error=reads.where(failure(error, reads.user)))
+            finally:
+                reads.close()
+
+        nodes = self.nodes if nodes is None else nodes
+        if not nodes:
+            return []
+        with ThreadPoolExecutor(len(nodes), thread_name_prefix="redlock-admin") as pool:
+            return list(pool.map(ask, nodes))
 
     def read(self, keys: Sequence[str] | None) -> LockRead:
         """``keys`` (None: every lock key under the prefix) as found across the nodes."""
-
-        def question(client: NodeClient) -> NodeRead:
-            wanted = self.scan(client) if keys is None else list(keys)
-            return read_keys(client, wanted)
-
-        answers = ask_every_node(self.nodes, question, self.timeout)
+        answers = self.ask(
+            lambda reads: read_keys(reads, self.scan(reads) if keys is None else keys)
+        )
         by_key: dict[str, list[StoredCopy]] = {}
         not_locks: dict[str, dict[str, str]] = {}
         for index, answer in enumerate(answers):
             if answer.value is None:
                 continue
-            locks = answer.value.locks
+            locks, others = answer.value
             for key, (value, milliseconds) in locks.items():
                 current = keyspace.key_of_legacy(self.prefix, key)
                 if current is not None and locks.get(current, ("", 0))[0] == value:
                     continue  # a lock of today's layout, written at its 0.2 key too
                 by_key.setdefault(key, []).append(StoredCopy(index, value, milliseconds))
-            for key, reason in answer.value.not_locks.items():
+            for key, reason in others.items():
                 not_locks.setdefault(key, {})[answer.node] = reason
         found = [self.found_lock(key, copies) for key, copies in sorted(by_key.items())]
         return LockRead(found, unreachable_nodes(answers), not_locks)
 
-    def scan(self, client: NodeClient) -> list[str]:
-        """Every lock key under the prefix on one node: on each of its servers (a cluster's
-        masters), SCAN in batches."""
-        found: set[str] = set()
-        for server in client.servers():
-            found.update(self.scan_server(server))
-        return sorted(found)
-
-    def scan_server(self, server: ServerClient) -> list[str]:
-        """Every lock key under the prefix on one server (SCAN, in batches)."""
+    def scan(self, reads: NodeReads) -> list[str]:
+        """Every lock key under the prefix on one node: SCAN in batches on each of its servers
+        (a cluster's masters)."""
         legacy = legacy_layout(self.redlock)
-        scan = keyspace.legacy_scan_pattern if legacy else keyspace.scan_pattern
-        pattern = scan(self.prefix)
-        cursor = "0"
-        found: list[str] = []
-        for _ in range(SCAN_CALLS_LIMIT):
-            reply = server.call("SCAN", cursor, "MATCH", pattern, "COUNT", SCAN_BATCH)
-            if not (isinstance(reply, list) and len(reply) == 2 and isinstance(reply[1], list)):
-                raise BadReply("SCAN", reply, "a cursor and a list of keys")
-            cursor = expect_text(reply[0], "SCAN")
-            if not cursor.isdigit():
-                raise BadReply("SCAN", reply[0], "a cursor")
-            keys = [expect_text(key, "SCAN") for key in reply[1]]
-            found += [key for key in keys if self.is_lock_key(key, legacy)]
-            if cursor == "0":
-                return sorted(set(found))
-        raise BadReply("SCAN", cursor, f"the end of the keys after {SCAN_CALLS_LIMIT} calls")
-
-    def is_lock_key(self, key: str, legacy: bool) -> bool:
-        """True for a lock key under the prefix (with ``legacy``, of the 0.2 layout too)."""
-        if keyspace.is_lock_key(self.prefix, key):
-            return True
-        return legacy and keyspace.is_legacy_lock_key(self.prefix, key)
+        pattern = (keyspace.legacy_scan_pattern if legacy else keyspace.scan_pattern)(self.prefix)
+        found: set[str] = set()
+        for server in reads.servers():
+            cursor = "0"
+            for _ in range(SCAN_CALLS_LIMIT):
+                reply = reads.call(server, "SCAN", cursor, "MATCH", pattern, "COUNT", SCAN_BATCH)
+                if not (isinstance(reply, list) and len(reply) == 2 and isinstance(reply[1], list)):
+                    raise BadReply("SCAN", reply, "a cursor and a list of keys")
+                cursor = expect_text(reply[0], "SCAN")
+                if not cursor.isdigit():
+                    raise BadReply("SCAN", reply[0], "a cursor")
+                for key in (expect_text(key, "SCAN") for key in reply[1]):
+                    if keyspace.is_lock_key(self.prefix, key) or (
+                        legacy and keyspace.is_legacy_lock_key(self.prefix, key)
+                    ):
+                        found.add(key)
+                if cursor == "0":
+                    break
+            else:
+                raise BadReply(
+                    "SCAN", cursor, f"the end of the keys after {SCAN_CALLS_LIMIT} calls"
+                )
+        return sorted(found)
 
     def found_lock(self, key: str, copies: Sequence[StoredCopy]) -> FoundLock:
         """One lock's record from its copies (at least one)."""
@@ -209,10 +304,6 @@ class LockReader:
         )
         return FoundLock(record, value, tuple(copies))
 
-    def close(self) -> None:
-        """Close the lock manager's connections."""
-        self.redlock.close()
-
 
 def unreachable_nodes(answers: Sequence[NodeAnswer[Any]]) -> tuple[NodeError, ...]:
     """The nodes among ``answers`` that gave none, and why."""
@@ -223,57 +314,52 @@ def unreachable_nodes(answers: Sequence[NodeAnswer[Any]]) -> tuple[NodeError, ..
     )
 
 
-def read_keys(client: NodeClient, keys: Sequence[str]) -> NodeRead:
+def read_keys(reads: NodeReads, keys: Sequence[str]) -> NodeRead:
     """GET and PTTL of ``keys`` on one node, each on the server that holds it, one pipeline per
     server and batch. Keys that are absent are left out; keys that hold no lock value (another
-    type, another value) are named with why."""
-    locks: dict[str, tuple[str, int]] = {}
-    not_locks: dict[str, str] = {}
-    by_server: dict[int, tuple[ServerClient, list[str]]] = {}
+    type, another value) are named with why. A key whose slot moved (``MOVED``, ``ASK``) is read
+    again through a round of the read script on this node, which follows the cluster there."""
+    read: NodeRead = ({}, {})
+    by_server: dict[int, tuple[Endpoint, list[str]]] = {}
     for key in keys:
-        server = client.server_for(key)
+        server = reads.server_for(key)
         by_server.setdefault(id(server), (server, []))[1].append(key)
+    moved: list[str] = []
     for server, server_keys in by_server.values():
         for start in range(0, len(server_keys), SCAN_BATCH):
             batch = server_keys[start : start + SCAN_BATCH]
-            replies = server.pipeline([command for key in batch for command in reading(key)])
-            for index, key in enumerate(batch):
-                value, milliseconds = replies[2 * index], replies[2 * index + 1]
+            commands = [command for key in batch for command in (("GET", key), ("PTTL", key))]
+            replies = iter(reads.pipeline(server, commands))
+            for key, value, milliseconds in zip(batch, replies, replies, strict=True):
                 if isinstance(value, AskError) or isinstance(milliseconds, AskError):
-                    # The key's slot moved, or is moving (a cluster): ask where it is now.
-                    value = routed(client, key, "GET")
-                    milliseconds = routed(client, key, "PTTL")
-                judge_copy(client, key, value, milliseconds, locks, not_locks)
-    return NodeRead(locks, not_locks)
+                    moved.append(key)
+                    continue
+                if isinstance(milliseconds, ResponseError):
+                    raise milliseconds
+                if isinstance(value, ResponseError):
+                    if not str(value).startswith("WRONGTYPE"):
+                        raise value
+                    kind = expect_text(reads.call(server, "TYPE", key), "TYPE")
+                    read[1][key] = f"it is a {kind}, not a string"
+                    continue
+                file_copy(read, key, value, milliseconds)
+    if moved:
+        group = NodeGroup([reads.member], reads.timeout)
+        try:
+            for key in moved:
+                result = group.run(scripts.READ, (key,), (), judge_copy)
+                reply = result.replies[0]
+                if not is_copy(reply):
+                    raise ConnectionError(result.failures[0] or "no reply to the read script")
+                file_copy(read, key, reply[0] or None, reply[1])
+        finally:
+            group.close()
+    return read
 
 
-def routed(client: NodeClient, key: str, command: str) -> Any:
-    """The reply to ``command key`` from the server that holds ``key``, an error reply in its
-    place (as in a pipeline)."""
-    try:
-        return client.call_for_key(key, command, key)
-    except ResponseError as error:
-        return error
-
-
-def judge_copy(
-    client: NodeClient,
-    key: str,
-    value: Any,
-    milliseconds: Any,
-    locks: dict[str, tuple[str, int]],
-    not_locks: dict[str, str],
-) -> None:
-    """File one key's GET and PTTL replies under ``locks`` or ``not_locks`` (or nowhere, when
-    the key is absent); raises for error replies and replies no server gives."""
-    if isinstance(milliseconds, ResponseError):
-        raise milliseconds
-    if isinstance(value, ResponseError):
-        if not str(value).startswith("WRONGTYPE"):
-            raise value
-        kind = expect_text(client.call_for_key(key, "TYPE", key), "TYPE")
-        not_locks[key] = f"it is a {kind}, not a string"
-        return
+def file_copy(read: NodeRead, key: str, value: Any, milliseconds: Any) -> None:
+    """File one key's value and pttl under the node's locks or not-locks (or nowhere, when the
+    key is absent); raises `BadReply` for replies no server gives."""
     if value is None:
         return
     stored = expect_text(value, "GET")
@@ -282,11 +368,75 @@ def judge_copy(
     if milliseconds == -2:  # expired between the two commands
         return
     if is_lock_value(stored):
-        locks[key] = (stored, milliseconds)
+        read[0][key] = (stored, milliseconds)
     else:
-        not_locks[key] = NOT_A_LOCK_VALUE
+        read[1][key] = NOT_A_LOCK_VALUE
 
 
-def reading(key: str) -> tuple[tuple[str, str], tuple[str, str]]:
-    """The commands that read one key: its value, then its time to live."""
-    return ("GET", key), ("PTTL", key)
+# -- replies and errors, checked ---------------------------------------------------------------
+
+
+def failure(error: Exception, user: str = "<user>") -> str:
+    """One line about what went wrong reading a node: a reply no server gives, a connection or
+    command error (an ACL denial with its grant), or garbage a parser choked on."""
+    if isinstance(error, BadReply):
+        return str(error)
+    if isinstance(error, (RedisClientError, OSError)):
+        return describe_error(error, user)
+    return f"unreadable reply ({describe_error(error)})"
+
+
+def describe_error(error: BaseException, user: str = "<user>") -> str:
+    """One line about a connection or command error. An ACL denial says what the node's
+    ``user`` may not do, and the ``ACL SETUSER`` grant that allows it."""
+    fix = access_fix(error, user)
+    if fix is not None:
+        return fix
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def access_fix(error: BaseException, user: str) -> str | None:
+    """For an error reply an ACL causes, what is denied and how to grant it; else None."""
+    error_text = str(error)
+    if isinstance(error, NoPermissionError) or error_text.startswith("NOPERM"):
+        command = DENIED_COMMAND.search(error_text)
+        if command is not None:
+            name = command.group(1)
+            return f"the node's user may not run '{name}'; grant it with ACL SETUSER {user} +{name}"
+        if "key" in error_text:
+            return (
+                "the node's user may not access these keys; grant it the key prefix with "
+                f"ACL SETUSER {user} ~<key prefix>*"
+            )
+        if "channel" in error_text:
+            return (
+                "the node's user may not use the release channels; grant them with "
+                f"ACL SETUSER {user} &<key prefix>*"
+            )
+        return f"NOPERM {error_text} (an ACL denial: see ACL GETUSER {user})"
+    if isinstance(error, ResponseError) and SCRIPT_DENIED in error_text:
+        return (
+            "the node's user may not run a command inside the script; grant the read, write "
+            f"and scripting commands with ACL SETUSER {user} +@read +@write +@scripting"
+        )
+    return None
+
+
+def text(value: Any) -> str:
+    """A reply's bytes as text (invalid UTF-8 replaced)."""
+    return value.decode("utf-8", errors="replace") if isinstance(value, bytes) else str(value)
+
+
+def expect_text(reply: Any, command: str) -> str:
+    """``reply`` as text when it is a string reply; else `BadReply`."""
+    if isinstance(reply, (bytes, str)):
+        return text(reply)
+    raise BadReply(command, reply, "a string")
+
+
+def expect_integer(reply: Any, command: str) -> int:
+    """``reply`` when it is an integer reply; else `BadReply`."""
+    if isinstance(reply, int) and not isinstance(reply, bool):
+        return reply
+    raise BadReply(command, reply, "an integer")

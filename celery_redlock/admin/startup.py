@@ -28,11 +28,11 @@ from redis.exceptions import AuthenticationError, ResponseError
 
 from ..integration.task import SingletonTask
 from ..lock import keyspace, scripts
+from ..lock.nodes import Endpoint
 from ..lock.nodes.cluster import ClusterNode
 from ..lock.replies import judge_copy
 from ..settings import has_credentials
-from .fan_out import BadReply, NodeAnswer, NodeClient, ServerClient, access_fix, ask_every_node
-from .reading import LockReader
+from .reading import BadReply, LockReader, NodeAnswer, NodeReads, access_fix
 from .records import NodeStatus
 from .status import info_section, merged_status, ping, same_server_warnings, server_version
 
@@ -74,10 +74,7 @@ def report(app: Any) -> list[NodeCheck | None]:
         key = keyspace.lock_key(reader.prefix, CHECK_RESOURCE)
         user = reader.settings.username or "default"  # the user of URLs that name none
 
-        def check(client: NodeClient) -> NodeCheck:
-            return check_node(client, key, user)
-
-        answers = ask_every_node(reader.nodes, check, timeout)
+        answers = reader.ask(lambda reads: check_node(reads, key, user), timeout=timeout)
         urls, quorum = reader.settings.urls, reader.quorum
     checks = [answer.value for answer in answers]
     logger.info("%s", summary_line(answers, quorum))
@@ -93,40 +90,41 @@ def report(app: Any) -> list[NodeCheck | None]:
     return checks
 
 
-def check_node(client: NodeClient, key: str, user: str) -> NodeCheck:
+def check_node(reads: NodeReads, key: str, user: str) -> NodeCheck:
     """Identify the node's servers, then read ``key`` through the read script; an
     authentication or ACL refusal is a `NodeCheck` with ``denied`` (naming the node's ACL
     user: its URL's, else ``user``), anything else that goes wrong raises (the node does not
-    answer)."""
+    answer). The script is sent as EVAL with its source, to the server the node's routing
+    names: what this checks is the node's ACL, not the scripts' cache or a moving slot."""
     try:
-        servers = [identify(server) for server in client.servers()]
-        reply = client.call_for_key(key, "EVAL", scripts.READ.source, 1, key)
+        servers = [identify(reads, server) for server in reads.servers()]
+        reply = reads.call(reads.server_for(key), "EVAL", scripts.READ.source, 1, key)
     except AuthenticationError as error:
-        return NodeCheck(NodeStatus(client.node, reachable=True), denied=str(error).strip())
+        return NodeCheck(NodeStatus(reads.node, reachable=True), denied=str(error).strip())
     except ResponseError as error:
-        fix = access_fix(error, user if client.user == "<user>" else client.user)
+        fix = access_fix(error, user if reads.user == "<user>" else reads.user)
         if fix is None:
             raise
-        return NodeCheck(NodeStatus(client.node, reachable=True), denied=fix)
+        return NodeCheck(NodeStatus(reads.node, reachable=True), denied=fix)
     if judge_copy(reply) is None:
         raise BadReply("the read script", reply, "a value and its pttl")
-    if isinstance(client.member, ClusterNode):
-        return NodeCheck(merged_status(client.node, servers))
-    return NodeCheck(dataclasses.replace(servers[0], node=client.node))
+    if isinstance(reads.member, ClusterNode):
+        return NodeCheck(merged_status(reads.node, servers))
+    return NodeCheck(dataclasses.replace(servers[0], node=reads.node))
 
 
-def identify(server: ServerClient) -> NodeStatus:
+def identify(reads: NodeReads, server: Endpoint) -> NodeStatus:
     """One server's identity: it answers PING (a denied PING is an answer), and ``INFO
     server`` gives its ``run_id`` and version unless an ACL denies INFO."""
-    ping(server)
+    ping(reads, server)
     try:
-        fields = info_section(server, "server")
+        fields = info_section(reads, server, "server")
     except ResponseError as error:
-        if access_fix(error, server.user) is None:
+        if access_fix(error, reads.user) is None:
             raise
-        return NodeStatus(server.node, reachable=True)
+        return NodeStatus(server.name, reachable=True)
     return NodeStatus(
-        server.node,
+        server.name,
         reachable=True,
         run_id=fields.get("run_id"),
         redis_version=server_version(fields),

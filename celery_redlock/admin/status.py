@@ -1,6 +1,6 @@
 """Node health: is each lock node there, how fast, which Redis, and is it set up safely.
 
-Asks every node at once (`ask_every_node`): PING (the round trip, on an open connection), INFO
+Asks every node at once (`LockReader.ask`): PING (the round trip, on an open connection), INFO
 (version, role, persistence, eviction) and, with AOF on, ``CONFIG GET appendfsync``. Only PING
 is needed to count a node as reachable; a command a managed service renames or an ACL denies is
 reported in ``could_not_read`` (with the ``ACL SETUSER`` grant for a denial) and the check it
@@ -21,27 +21,25 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from redis.exceptions import RedisError as RedisClientError
 from redis.exceptions import ResponseError
 
 from ..errors import RedlockError
-from ..lock.nodes import LockNode
+from ..lock.nodes import Endpoint, LockNode
 from ..lock.nodes.cluster import ClusterNode
 from ..lock.nodes.sentinel import SentinelNode
 from ..lock.redlock import legacy_layout
 from ..settings import RedlockSettings, even_node_warning
-from .fan_out import (
+from .locks import singleton_tasks
+from .reading import (
     BadReply,
-    NodeClient,
-    ServerClient,
+    LockReader,
+    NodeReads,
     access_fix,
-    ask_every_node,
     describe_error,
     expect_text,
+    failure,
     text,
 )
-from .locks import singleton_tasks
-from .reading import LockReader, unreachable_nodes
 from .records import DEFAULT_TIMEOUT, NodeStatus, StatusReport
 
 INFO_READS = "role, persistence and eviction"
@@ -56,14 +54,14 @@ def status_report(app: Any, timeout: float = DEFAULT_TIMEOUT) -> StatusReport:
     however many nodes hang.
     """
     with LockReader(app, timeout) as reader:
-        answers = ask_every_node(reader.nodes, probe_member, reader.timeout)
+        answers = reader.ask(probe_member)
         largest_ttl = largest_lock_ttl(app, reader.settings)
         legacy = legacy_lock_warnings(reader)
-    errors = {node.node: node.error for node in unreachable_nodes(answers)}
     statuses = []
     for node, answer in zip(reader.nodes, answers, strict=True):
         if answer.value is None:
-            statuses.append(NodeStatus(answer.node, reachable=False, error=errors[answer.node]))
+            error = answer.error or "no answer"
+            statuses.append(NodeStatus(answer.node, reachable=False, error=error))
             continue
         status = dataclasses.replace(answer.value, node=answer.node)
         statuses.append(with_warnings(status, node, largest_ttl))
@@ -78,28 +76,21 @@ def node_status(app: Any, timeout: float = DEFAULT_TIMEOUT) -> list[NodeStatus]:
     return list(status_report(app, timeout).nodes)
 
 
-def probe_member(client: NodeClient) -> NodeStatus:
+def probe_member(reads: NodeReads) -> NodeStatus:
     """One lock node's status: its server's (`probe_node`), or for a Redis Cluster every
     master's at once, merged into one record (`merged_status`)."""
-    servers = client.servers()
-    if not isinstance(client.member, ClusterNode):
-        return probe_node(servers[0])
+    servers = reads.servers()
+    if not isinstance(reads.member, ClusterNode):
+        return probe_node(reads, servers[0])
+
+    def probe_server(server: Endpoint) -> NodeStatus:
+        try:
+            return dataclasses.replace(probe_node(reads, server), node=server.name)
+        except Exception as error:  # the master's fault: an unreachable record, with why
+            return NodeStatus(server.name, reachable=False, error=failure(error, reads.user))
+
     with ThreadPoolExecutor(len(servers), thread_name_prefix="redlock-admin-master") as pool:
-        return merged_status(client.node, list(pool.map(probe_server, servers)))
-
-
-def probe_server(server: ServerClient) -> NodeStatus:
-    """One server's status (`probe_node`), named after the server; an unreachable record,
-    with why, when it does not answer or answers what no Redis server answers."""
-    try:
-        return dataclasses.replace(probe_node(server), node=server.node)
-    except BadReply as error:
-        why = str(error)
-    except (RedisClientError, OSError) as error:
-        why = describe_error(error, server.user)
-    except Exception as error:  # what a parser makes of garbage: the server's fault
-        why = f"unreadable reply ({describe_error(error)})"
-    return NodeStatus(server.node, reachable=False, error=why)
+        return merged_status(reads.node, list(pool.map(probe_server, servers)))
 
 
 def merged_status(name: str, servers: Sequence[NodeStatus]) -> NodeStatus:
@@ -191,38 +182,38 @@ def replication_warnings(status: NodeStatus, wait_replicas: int) -> list[str]:
     return []
 
 
-def probe_node(client: NodeClient | ServerClient) -> NodeStatus:
-    """One node's status: PING twice (the first connects and authenticates, the second is the
-    round trip), then INFO and CONFIG where they are allowed."""
+def probe_node(reads: NodeReads, server: Endpoint) -> NodeStatus:
+    """One server's status: PING twice (the first connects and authenticates, the second is
+    the round trip), then INFO and CONFIG where they are allowed."""
     could_not_read: list[str] = []
-    denied = ping(client)
+    denied = ping(reads, server)
     if denied is not None:
         could_not_read.append(f"whether it answers PING: {denied}")
     started = time.perf_counter()
-    ping(client)
+    ping(reads, server)
     fields: dict[str, Any] = {
         "round_trip_milliseconds": round((time.perf_counter() - started) * 1000, 3)
     }
     try:
-        fields.update(read_info(client))
+        fields.update(read_info(reads, server))
     except ResponseError as error:
-        could_not_read.append(f"{INFO_READS} (INFO): {describe_error(error, client.user)}")
+        could_not_read.append(f"{INFO_READS} (INFO): {describe_error(error, reads.user)}")
     if fields.get("aof_enabled"):
         try:
-            fields["appendfsync"] = read_appendfsync(client)
+            fields["appendfsync"] = read_appendfsync(reads, server)
         except ResponseError as error:
-            reason = describe_error(error, client.user)
+            reason = describe_error(error, reads.user)
             could_not_read.append(f"appendfsync (CONFIG GET): {reason}")
     return NodeStatus("", reachable=True, could_not_read=tuple(could_not_read), **fields)
 
 
-def ping(client: NodeClient | ServerClient) -> str | None:
-    """PING the node: None when it answers PONG, what to grant when an ACL denies PING (the
-    node answered all the same); anything else raises (`BadReply`, an error reply)."""
+def ping(reads: NodeReads, server: Endpoint) -> str | None:
+    """PING the server: None when it answers PONG, what to grant when an ACL denies PING (it
+    answered all the same); anything else raises (`BadReply`, an error reply)."""
     try:
-        reply = client.call("PING")
+        reply = reads.call(server, "PING")
     except ResponseError as error:
-        fix = access_fix(error, client.user)
+        fix = access_fix(error, reads.user)
         if fix is None:
             raise
         return fix
@@ -231,18 +222,18 @@ def ping(client: NodeClient | ServerClient) -> str | None:
     return None
 
 
-def read_info(client: NodeClient | ServerClient) -> dict[str, Any]:
+def read_info(reads: NodeReads, server: Endpoint) -> dict[str, Any]:
     """Version, server id, role, master, replicas, persistence and eviction from INFO."""
-    server = info_section(client, "server")
-    version = server_version(server)
+    identity = info_section(reads, server, "server")
+    version = server_version(identity)
     if version is None:
-        raise BadReply("INFO server", server, "fields holding redis_version")
-    replication = info_section(client, "replication")
-    persistence = info_section(client, "persistence")
-    memory = info_section(client, "memory")
+        raise BadReply("INFO server", identity, "fields holding redis_version")
+    replication = info_section(reads, server, "replication")
+    persistence = info_section(reads, server, "persistence")
+    memory = info_section(reads, server, "memory")
     fields: dict[str, Any] = {
         "redis_version": version,
-        "run_id": server.get("run_id"),
+        "run_id": identity.get("run_id"),
         "role": replication.get("role"),
         "aof_enabled": number(persistence, "aof_enabled", "persistence") == 1,
         "maxmemory": number(memory, "maxmemory", "memory"),
@@ -268,9 +259,9 @@ def server_version(server: dict[str, str]) -> str | None:
     return version
 
 
-def info_section(client: NodeClient | ServerClient, section: str) -> dict[str, str]:
+def info_section(reads: NodeReads, server: Endpoint, section: str) -> dict[str, str]:
     """The ``name:value`` lines of one INFO section."""
-    body = expect_text(client.call("INFO", section), f"INFO {section}")
+    body = expect_text(reads.call(server, "INFO", section), f"INFO {section}")
     fields = {}
     for line in body.splitlines():
         name, colon, value = line.partition(":")
@@ -287,9 +278,9 @@ def number(fields: dict[str, str], name: str, section: str) -> int:
     return int(value)
 
 
-def read_appendfsync(client: NodeClient | ServerClient) -> str | None:
+def read_appendfsync(reads: NodeReads, server: Endpoint) -> str | None:
     """``CONFIG GET appendfsync`` (a managed service may deny or rename it: `ResponseError`)."""
-    reply = client.call("CONFIG", "GET", "appendfsync")
+    reply = reads.call(server, "CONFIG", "GET", "appendfsync")
     if not isinstance(reply, list) or len(reply) % 2:
         raise BadReply("CONFIG GET", reply, "name and value pairs")
     pairs = [expect_text(item, "CONFIG GET") for item in reply]

@@ -22,6 +22,18 @@ def judge_zero_or_one(reply: Any) -> bool | None:
     return None
 
 
+FORCED_RELEASE_REFUSALS = (b"it is a ", b"its value is not a lock token")
+"""How every refusal of `scripts.FORCE_RELEASE` starts: its other string replies are garbage."""
+
+
+def judge_forced_release(reply: Any) -> bool | None:
+    """For the forced release: 1 (deleted), 0 (no such key), or why the key is not a lock
+    (refused: left alone)."""
+    if isinstance(reply, bytes) and reply.startswith(FORCED_RELEASE_REFUSALS):
+        return False
+    return judge_zero_or_one(reply)
+
+
 def judge_one(reply: Any) -> bool | None:
     """For scripts that always answer 1 (raising a fencing counter)."""
     return True if is_integer(reply) and reply == 1 else None
