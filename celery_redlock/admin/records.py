@@ -4,8 +4,9 @@ holds a lock token (the secret part of a stored lock value, which allows releasi
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +36,27 @@ LEGACY_NOTE = "0.2 key layout: a celery-redlock 0.2 worker's lock; 0.3 workers t
 """How a lock under a 0.2-layout key is described to people."""
 
 
+def as_json(record: Any, *leave_out: str) -> dict[str, Any]:
+    """A record's fields in their order, as JSON: tuples as lists, records in their JSON form."""
+
+    def shown(value: Any) -> Any:
+        if isinstance(value, tuple):
+            return [shown(item) for item in value]
+        return value.to_json() if hasattr(value, "to_json") else value
+
+    fields = dataclasses.fields(record)
+    return {f.name: shown(getattr(record, f.name)) for f in fields if f.name not in leave_out}
+
+
+def names_by_warning(named: Iterable[tuple[str, Iterable[str]]]) -> dict[str, list[str]]:
+    """Each warning of the ``(name, warnings)`` pairs, with the names that have it."""
+    grouped: dict[str, list[str]] = {}
+    for name, warnings in named:
+        for warning in warnings:
+            grouped.setdefault(warning, []).append(name)
+    return grouped
+
+
 @dataclass(frozen=True)
 class NodeError:
     """A lock node that did not answer — no reply, an error reply, or a reply no Redis server
@@ -45,7 +67,7 @@ class NodeError:
 
     def to_json(self) -> dict[str, str]:
         """``{"node": ..., "error": ...}``."""
-        return {"node": self.node, "error": self.error}
+        return as_json(self)
 
 
 @dataclass(frozen=True)
@@ -101,23 +123,7 @@ class NodeStatus:
 
     def to_json(self) -> dict[str, Any]:
         """The JSON form (``run_id`` only serves to find duplicate nodes and is left out)."""
-        return {
-            "node": self.node,
-            "reachable": self.reachable,
-            "error": self.error,
-            "round_trip_milliseconds": self.round_trip_milliseconds,
-            "redis_version": self.redis_version,
-            "role": self.role,
-            "master": self.master,
-            "aof_enabled": self.aof_enabled,
-            "appendfsync": self.appendfsync,
-            "maxmemory": self.maxmemory,
-            "maxmemory_policy": self.maxmemory_policy,
-            "warnings": list(self.warnings),
-            "could_not_read": list(self.could_not_read),
-            "connected_replicas": self.connected_replicas,
-            "servers": [server.to_json() for server in self.servers],
-        }
+        return as_json(self, "run_id")
 
 
 @dataclass(frozen=True)
@@ -159,11 +165,8 @@ class StatusReport:
     def warning_lines(self) -> list[str]:
         """Every warning, for people: a node warning shared by several nodes once, naming them
         all (``"<nodes>: <warning>"``), then the group's warnings."""
-        by_warning: dict[str, list[str]] = {}
-        for status in self.nodes:
-            for warning in status.warnings:
-                by_warning.setdefault(warning, []).append(status.node)
-        lines = [f"{', '.join(names)}: {warning}" for warning, names in by_warning.items()]
+        grouped = names_by_warning((status.node, status.warnings) for status in self.nodes)
+        lines = [f"{', '.join(names)}: {warning}" for warning, names in grouped.items()]
         return lines + list(self.warnings)
 
     def to_json(self) -> dict[str, Any]:
@@ -351,7 +354,7 @@ class Refusal:
 
     def to_json(self) -> dict[str, str]:
         """``{"node": ..., "reason": ...}``."""
-        return {"node": self.node, "reason": self.reason}
+        return as_json(self)
 
 
 @dataclass(frozen=True)
@@ -428,13 +431,7 @@ class ReapResult:
 
     def to_json(self) -> dict[str, Any]:
         """The JSON form."""
-        return {
-            "lock": self.lock.to_json(),
-            "action": self.action,
-            "proof": self.proof,
-            "reason": self.reason,
-            "nodes_freed": self.nodes_freed,
-        }
+        return as_json(self)
 
 
 class UnknownTask(RedlockError, LookupError):

@@ -73,18 +73,17 @@ def report(app: Any) -> list[NodeCheck | None]:
         timeout = max(reader.settings.node_timeout, SHORTEST_TIMEOUT)
         key = keyspace.lock_key(reader.prefix, CHECK_RESOURCE)
         user = reader.settings.username or "default"  # the user of URLs that name none
-
         answers = reader.ask(lambda reads: check_node(reads, key, user), timeout=timeout)
         urls, quorum = reader.settings.urls, reader.quorum
     checks = [answer.value for answer in answers]
-    logger.info("%s", summary_line(answers, quorum))
-    answering = sum(check is not None and check.denied is None for check in checks)
+    statuses = [check.status for check in checks if check is not None and check.denied is None]
+    answering = len(statuses)
+    logger.info("%s", summary_line(answers, answering, quorum))
     for url, answer in zip(urls, answers, strict=True):
         if answer.value is not None and answer.value.denied is not None:
             logger.error("%s", denial_line(answer.node, url, answer.value.denied, answering))
     if answering < quorum:
-        logger.error("%s", no_quorum_line(answers, quorum))
-    statuses = [check.status for check in checks if check is not None and check.denied is None]
+        logger.error("%s", no_quorum_line(len(answers), answering, quorum))
     for warning in same_server_warnings(statuses):
         logger.warning("lock nodes %s", warning)
     return checks
@@ -131,7 +130,7 @@ def identify(reads: NodeReads, server: Endpoint) -> NodeStatus:
     )
 
 
-def summary_line(answers: Sequence[NodeAnswer[NodeCheck]], quorum: int) -> str:
+def summary_line(answers: Sequence[NodeAnswer[NodeCheck]], answering: int, quorum: int) -> str:
     """The INFO line: each node and its state, how many answer, whether a quorum does."""
     states = []
     for answer in answers:
@@ -142,7 +141,6 @@ def summary_line(answers: Sequence[NodeAnswer[NodeCheck]], quorum: int) -> str:
             states.append(f"{answer.node} REFUSES this worker")
         else:
             states.append(f"{answer.node} up")
-    answering = sum(answer.value is not None and answer.value.denied is None for answer in answers)
     verdict = "a quorum answers" if answering >= quorum else "NO quorum answers"
     return (
         f"lock nodes: {answering} of {len(answers)} answer, {quorum} make a quorum: {verdict}; "
@@ -167,11 +165,10 @@ def denial_line(node: str, url: str, denied: str, answering: int) -> str:
     )
 
 
-def no_quorum_line(answers: Sequence[NodeAnswer[NodeCheck]], quorum: int) -> str:
+def no_quorum_line(total: int, answering: int, quorum: int) -> str:
     """The ERROR line when fewer than a quorum of nodes answer: what to check."""
-    answering = sum(answer.value is not None and answer.value.denied is None for answer in answers)
     return (
-        f"no quorum of lock nodes answers at worker start ({answering} of {len(answers)}, "
+        f"no quorum of lock nodes answers at worker start ({answering} of {total}, "
         f"{quorum} needed): no singleton task can take its lock until {quorum - answering} "
         "more answer (on_unavailable decides what runs do meanwhile). Check that redlock_urls "
         "names the right hosts and ports, that those Redis servers run and that this host can "

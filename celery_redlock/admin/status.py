@@ -40,7 +40,7 @@ from .reading import (
     failure,
     text,
 )
-from .records import DEFAULT_TIMEOUT, NodeStatus, StatusReport
+from .records import DEFAULT_TIMEOUT, NodeStatus, StatusReport, names_by_warning
 
 INFO_READS = "role, persistence and eviction"
 
@@ -151,13 +151,10 @@ def with_warnings(status: NodeStatus, node: LockNode, largest_ttl: float) -> Nod
         with_warnings(server, node, largest_ttl) if server.reachable else server
         for server in status.servers
     )
-    by_warning: dict[str, list[str]] = {}
-    for server in servers:
-        for warning in server.warnings:
-            by_warning.setdefault(warning, []).append(server.node)
+    grouped = names_by_warning((server.node, server.warnings) for server in servers)
     merged = [
         warning if len(names) == len(servers) else f"{', '.join(names)}: {warning}"
-        for warning, names in by_warning.items()
+        for warning, names in grouped.items()
     ]
     return dataclasses.replace(status, servers=servers, warnings=(*status.warnings, *merged))
 

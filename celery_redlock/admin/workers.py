@@ -35,11 +35,6 @@ class WorkerState:
         """True when exactly one worker answered under the name."""
         return self.replies == 1
 
-    @property
-    def known(self) -> bool:
-        """True when the worker answered every question (its tasks and processes are known)."""
-        return self.answers and self.running is not None and self.pid is not None
-
 
 def worker_node_name(owner: Owner | None) -> str | None:
     """The Celery node name (``name@host``) to ask about ``owner``, if it has one. Under the solo
