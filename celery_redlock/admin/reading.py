@@ -1,22 +1,18 @@
 """Read the lock nodes: what every operators' command starts from.
 
-A `LockReader` holds the app's settings and a `Redlock` over its nodes (with the operator's
-timeout). Its `LockReader.ask` puts one question to every node at once, a thread per node, over
-plain redis-py clients (`NodeReads`): the reads that are no lock script — SCAN, GET and PTTL,
-INFO, PING, CONFIG GET. Scripts go through `NodeGroup` rounds, whose members follow ``MOVED``
-and ``ASK`` and whose judges check every reply. Whatever a node does — no answer, error replies,
-replies no Redis server gives, bytes that are not RESP — ends as that node's one-line error
-(`NodeAnswer.error`), never as an exception; a command an ACL denies is named with the
-``ACL SETUSER`` grant that allows it.
+`LockReader.ask` puts one question to every node at once, a thread per node, over plain redis-py
+clients (`NodeReads`) for the reads that are no lock script: SCAN, GET and PTTL, PING, INFO,
+CONFIG GET. Scripts go through `NodeGroup` rounds, whose members follow ``MOVED`` and ``ASK`` and
+whose judges check every reply. Whatever a node does — no answer, error replies, replies no Redis
+server gives, bytes that are not RESP — ends as its one-line error (`NodeAnswer.error`), never as
+an exception; a command an ACL denies is named with the ``ACL SETUSER`` grant that allows it.
 
-`LockReader.read` reads lock keys — those named, or every lock key under the key prefix (SCAN,
-never KEYS) — on every node; a Redis Cluster is read on every master and counts as one node. A key
-whose slot moved is read again through a round of the read script. Only lock keys count
-(`celery_redlock.lock.keyspace.is_lock_key`), and only lock values (`is_lock_value`): fencing
-counters, completion records, schedule records, keys of other types and application values under
-the prefix are never taken for locks. Locks of celery_redlock 0.2 workers, under keys without
-braces (`keyspace.is_legacy_lock_key`), are found too, unless a node has a cluster member; today's
-workers also write every lock at its 0.2 key, and such a copy is not listed twice.
+`LockReader.read` reads lock keys — those named, or every one under the prefix (SCAN, never KEYS)
+— on every node (a Redis Cluster on every master, as one node). Only lock keys and lock values
+count (`keyspace.is_lock_key`, `is_lock_value`): fencing counters, records, other types and
+application values are never taken for locks. Locks of 0.2 workers (`keyspace.is_legacy_lock_key`)
+are found too unless a node is a cluster; a copy today's workers write at the 0.2 key is not
+listed twice.
 """
 
 from __future__ import annotations
@@ -27,7 +23,6 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any, Generic, TypeVar
 from urllib.parse import urlsplit
 
@@ -194,12 +189,7 @@ class LockReader:
     def __enter__(self) -> LockReader:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.redlock.close()
 
     def ask(
