@@ -32,6 +32,7 @@ from celery_redlock import (
     admin,
     singleton_task,
 )
+from celery_redlock.admin import startup
 from celery_redlock.lock import keyspace
 from celery_redlock.lock.outcomes import Acquired, Held, Lock, Unavailable
 from celery_redlock.lock.redlock import from_settings
@@ -561,6 +562,25 @@ def test_operators_read_and_release_a_lock_whose_slot_is_moving(cluster: RedisCl
             migration.move_keys()
             migration.finish()
         assert admin.held_locks(app, timeout=2.0) == []
+
+
+def test_the_start_up_check_follows_a_slot_that_is_moving(cluster: RedisCluster) -> None:
+    """The worker's start-up report reads its check key on every node; in a slot being
+    migrated the key's master answers ASK, and the check follows it like any round does,
+    instead of reporting the cluster as not answering."""
+    prefix = f"{unique('start-check')}:"
+    app = operators_app(cluster, prefix)
+    slot = cluster.key_slot(keyspace.lock_key(prefix, startup.CHECK_RESOURCE))
+    source = cluster.slot_owner(slot)
+    destination = next(master for master in cluster.masters() if master is not source)
+    migration = cluster.begin_slot_migration(slot, destination)
+    try:
+        (check,) = startup.report(app)
+    finally:
+        migration.finish()
+    assert check is not None, "the cluster was reported as not answering"
+    assert check.denied is None
+    assert check.status.reachable
 
 
 def test_a_cluster_that_cannot_be_reached_is_one_node_down() -> None:

@@ -333,18 +333,28 @@ def read_keys(reads: NodeReads, keys: Sequence[str]) -> NodeRead:
                     read[1][key] = f"it is a {kind}, not a string"
                     continue
                 file_copy(read, key, value, milliseconds)
-    if moved:
-        group = NodeGroup([reads.member], reads.timeout)
-        try:
-            for key in moved:
-                result = group.run(scripts.READ, (key,), (), judge_copy)
-                reply = result.replies[0]
-                if not is_copy(reply):
-                    raise ConnectionError(result.failures[0] or "no reply to the read script")
-                file_copy(read, key, reply[0] or None, reply[1])
-        finally:
-            group.close()
+    for key, reply in zip(moved, read_in_rounds(reads, moved), strict=True):
+        file_copy(read, key, reply[0] or None, reply[1])
     return read
+
+
+def read_in_rounds(reads: NodeReads, keys: Sequence[str]) -> list[Any]:
+    """The read script's reply (value, pttl) for each of ``keys`` on this node, in rounds of the
+    nodes layer: its member follows a slot that moves (``MOVED``, ``ASK``) to where it is now."""
+    if not keys:
+        return []
+    group = NodeGroup([reads.member], reads.timeout)
+    try:
+        replies = []
+        for key in keys:
+            result = group.run(scripts.READ, (key,), (), judge_copy)
+            reply = result.replies[0]
+            if not is_copy(reply):
+                raise ConnectionError(result.failures[0] or "no reply to the read script")
+            replies.append(reply)
+        return replies
+    finally:
+        group.close()
 
 
 def file_copy(read: NodeRead, key: str, value: Any, milliseconds: Any) -> None:

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from redis.exceptions import AuthenticationError, ResponseError
+from redis.exceptions import AskError, AuthenticationError, ResponseError
 
 from ..integration.task import SingletonTask
 from ..lock import keyspace, scripts
@@ -32,7 +32,7 @@ from ..lock.nodes import Endpoint
 from ..lock.nodes.cluster import ClusterNode
 from ..lock.replies import judge_copy
 from ..settings import has_credentials
-from .reading import BadReply, LockReader, NodeAnswer, NodeReads, access_fix
+from .reading import BadReply, LockReader, NodeAnswer, NodeReads, access_fix, read_in_rounds
 from .records import NodeStatus
 from .status import info_section, merged_status, ping, same_server_warnings, server_version
 
@@ -94,10 +94,14 @@ def check_node(reads: NodeReads, key: str, user: str) -> NodeCheck:
     authentication or ACL refusal is a `NodeCheck` with ``denied`` (naming the node's ACL
     user: its URL's, else ``user``), anything else that goes wrong raises (the node does not
     answer). The script is sent as EVAL with its source, to the server the node's routing
-    names: what this checks is the node's ACL, not the scripts' cache or a moving slot."""
+    names: what this checks is the node's ACL, not the scripts' cache. In a slot that moves,
+    the read goes through a round, which follows it."""
     try:
         servers = [identify(reads, server) for server in reads.servers()]
-        reply = reads.call(reads.server_for(key), "EVAL", scripts.READ.source, 1, key)
+        try:
+            reply = reads.call(reads.server_for(key), "EVAL", scripts.READ.source, 1, key)
+        except AskError:  # MOVED too
+            (reply,) = read_in_rounds(reads, [key])
     except AuthenticationError as error:
         return NodeCheck(NodeStatus(reads.node, reachable=True), denied=str(error).strip())
     except ResponseError as error:
