@@ -54,6 +54,7 @@ class RedlockSettings:
     username: str | None = None  # redlock_username, for nodes whose URL names no user
     password: str | None = None  # redlock_password, for nodes whose URL has no password
     wait_replicas: int = 0  # redlock_wait_replicas (Cluster and Sentinel nodes)
+    legacy_layout: bool = True  # redlock_legacy_layout: locks held at their 0.2 keys too
     beat_lease_ttl: float = 30.0  # redlock_beat_lease_ttl (celery_redlock.beat)
     beat_lease_name: str = "celery-beat-leader"  # redlock_beat_lease_name
     reap_interval: float | None = None  # redlock_reap_interval; None: workers do not reap
@@ -77,6 +78,7 @@ class RedlockSettings:
         check_seconds("redlock_ttl", self.ttl)
         check_boolean("redlock_auto_extend", self.auto_extend)
         check_boolean("redlock_strict_settings", self.strict_settings)
+        check_boolean("redlock_legacy_layout", self.legacy_layout)
         check_policy("redlock_on_duplicate", self.on_duplicate, DUPLICATE_POLICIES)
         check_policy("redlock_on_unavailable", self.on_unavailable, UNAVAILABLE_POLICIES)
         if self.unavailable_timeout is not None:

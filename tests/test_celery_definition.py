@@ -398,6 +398,7 @@ BAD_SETTINGS = [
     pytest.param({"redlock_ttl": 0}, "redlock_ttl", id="ttl-zero"),
     pytest.param({"redlock_ttl": -1.5}, "redlock_ttl", id="ttl-negative"),
     pytest.param({"redlock_auto_extend": "yes"}, "redlock_auto_extend", id="auto_extend"),
+    pytest.param({"redlock_legacy_layout": "no"}, "redlock_legacy_layout", id="legacy_layout"),
     pytest.param({"redlock_urls": []}, "redlock_urls", id="urls-empty"),
 ]
 

@@ -155,6 +155,33 @@ def test_a_lock_of_today_is_held_at_its_0_2_key_too(three: RedisNodes, redlock: 
     redlock.release(again)
 
 
+def test_with_the_0_2_layout_off_locks_live_at_their_key_of_today_alone(three: RedisNodes) -> None:
+    """``redlock_legacy_layout = False``, once no 0.2 process runs: a 0.2 lock is no longer in
+    the way, and nothing is written, extended or released at 0.2 keys; ``status`` says that 0.2
+    locks found meanwhile are not treated as held."""
+    old = PREFIX + "proj.tasks.sync:off"
+    value = legacy_value("proj.tasks.sync", "id-of-0.2")
+    lock_as_0_2(three, old, value)
+    manager = Redlock(three.urls, legacy_layout=False)
+    try:
+        outcome = manager.attempt("proj.tasks.sync:off", 10.0)
+        assert isinstance(outcome, Acquired), outcome
+        lock = manager.acquire("proj.tasks.report:off", 10.0)
+        assert lock is not None
+        assert values_on(three, PREFIX + "proj.tasks.report:off") == [None] * 3
+        assert manager.extend(lock, 30.0)
+        assert manager.release(lock)
+        assert manager.release(outcome.lock)
+        assert values_on(three, old) == [value] * 3  # the 0.2 lock, untouched
+    finally:
+        manager.close()
+    app = create_app(three.urls)
+    app.conf.redlock_legacy_layout = False
+    status = invoke(app, "status", *FAST)
+    assert f"1 lock(s) under 0.2-layout keys ({old})" in status.stdout, status.output
+    assert "do NOT treat them as held (redlock_legacy_layout is False)" in status.stdout
+
+
 # -- a real worker -------------------------------------------------------------------------------
 
 

@@ -366,10 +366,16 @@ def legacy_lock_warnings(reader: LockReader) -> list[str]:
     if not keys:
         return []
     shown = ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+    held_for = (
+        "0.3 workers treat them as held"
+        if reader.settings.legacy_layout
+        else "0.3 workers do NOT treat them as held (redlock_legacy_layout is False): set it "
+        "back to True while any 0.2 process runs"
+    )
     return [
         f"{len(keys)} lock(s) under 0.2-layout keys ({shown}): celery-redlock 0.2 workers or "
-        "beats hold them, and 0.3 workers treat them as held; `celery redlock list` shows "
-        "their holders (README: Upgrading)"
+        f"beats hold them, and {held_for}; `celery redlock list` shows their holders (README: "
+        "Upgrading)"
     ]
 
 

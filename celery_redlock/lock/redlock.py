@@ -66,7 +66,9 @@ class Redlock:
     ``redis://``, ``rediss://`` (TLS) and ``unix://`` URLs with optional ``user:password@`` and
     database number, and ``redis+cluster://`` and ``redis+sentinel://`` members
     (`nodes.urls`); ``username`` and ``password`` apply to every URL that names no
-    credentials of its own. Invalid arguments raise `ConfigurationError` saying how to fix them.
+    credentials of its own. ``legacy_layout=False`` stops holding locks at their 0.2-layout
+    keys too (README: Upgrading from 0.2). Invalid arguments raise `ConfigurationError` saying
+    how to fix them.
     """
 
     def __init__(
@@ -79,6 +81,7 @@ class Redlock:
         key_prefix: str = RedlockSettings.key_prefix,
         username: str | None = None,
         password: str | None = None,
+        legacy_layout: bool = RedlockSettings.legacy_layout,
     ) -> None:
         settings = RedlockSettings(
             urls=split_urls(urls),  # type: ignore[arg-type]  # checked by RedlockSettings
@@ -89,6 +92,7 @@ class Redlock:
             key_prefix=key_prefix,
             username=username,
             password=password,
+            legacy_layout=legacy_layout,
         )
         self._configure(settings)
         warning = even_node_warning(len(self._group.nodes))
@@ -108,6 +112,7 @@ class Redlock:
         self.quorum = self._group.quorum
         # 0.2 had no cluster nodes, and a script's keys must share a cluster node's hash slot.
         self._legacy_layout = not any(isinstance(node, ClusterNode) for node in members)
+        self._holds_legacy = self._legacy_layout and settings.legacy_layout
         self._checked_ttl: float | None = None
 
     @property
@@ -120,7 +125,9 @@ class Redlock:
         return keyspace.lock_key(self._settings.key_prefix, resource)
 
     def _with_legacy(self, key: str) -> str:
-        return legacy_key_of(self, key) or key  # the scripts read the key itself as "none"
+        if not self._holds_legacy:
+            return key  # the scripts read the key itself as "none"
+        return legacy_key_of(self, key) or key
 
     def _drift(self, ttl: float) -> float:
         return ttl * self._settings.clock_drift_factor + DRIFT_CONSTANT_SECONDS
@@ -480,14 +487,17 @@ def check_ttl(redlock: Redlock, ttl: float, name: str = "ttl") -> None:
 
 
 def legacy_layout(redlock: Redlock) -> bool:
-    """Whether ``redlock`` also holds its locks where 0.2 workers look (`legacy_key_of`)."""
+    """Whether 0.2 workers can share ``redlock``'s nodes (0.2 could not use a cluster node), so
+    that locks may live at 0.2 keys (`legacy_key_of`). Its own locks are held there too unless
+    ``redlock_legacy_layout`` is off."""
     return redlock._legacy_layout
 
 
 def legacy_key_of(redlock: Redlock, key: str) -> str | None:
     """Where 0.2 workers lock what ``key`` locks (`keyspace.legacy_key`): locks taken here are
-    held there too, and a lock held there is in the way. None for a group with a cluster node
-    (0.2 could not use one) or a key that is no lock key."""
+    held there too, and a lock held there is in the way (with ``redlock_legacy_layout`` on, the
+    default). None for a group with a cluster node (0.2 could not use one) or a key that is no
+    lock key."""
     if not redlock._legacy_layout:
         return None
     return keyspace.legacy_key(redlock._settings.key_prefix, key)
