@@ -32,7 +32,6 @@ from celery_apps.support import (
 from redlock_support import value_on, values_on, wait_until
 
 from celery_redlock import DuplicateSkipped, LockLost, SingletonTask, singleton_task
-from celery_redlock.integration import deferral
 from celery_redlock.integration import run as run_module
 from celery_redlock.integration.messages import MESSAGE_HEADER
 from celery_redlock.lock.owner import Owner, lock_value, owner_text_of
@@ -138,8 +137,8 @@ def test_a_deferral_the_broker_does_not_take_loses_no_work(
     # the delivery: it waits in its process (acknowledged on receipt) or goes back to the broker
     # (acks_late), and runs once the vote is settled.
     monkeypatch.setattr(run_module, "IN_PROCESS_WAIT", 0.3)
-    monkeypatch.setattr(deferral, "UNPUBLISHED_PAUSE", 0.3)
-    monkeypatch.setattr(deferral, "ACKS_LATE_PATIENCE", 0.5)
+    monkeypatch.setattr(run_module, "UNPUBLISHED_PAUSE", 0.3)
+    monkeypatch.setattr(run_module, "ACKS_LATE_PATIENCE", 0.5)
     caplog.set_level(logging.INFO, logger="celery_redlock")
     app = make_app_publishing_nowhere(broker, lock_nodes, monkeypatch)
     name = f"edge.unpublished_{acks_late}"
@@ -174,7 +173,7 @@ def test_a_retry_the_broker_does_not_take_waits_for_the_holder_and_runs(
 ) -> None:
     # on_duplicate="retry" asks Celery for a retry; Celery rejects the message (for good) when
     # the broker does not take the retry. The duplicate waits for the holder instead, then runs.
-    monkeypatch.setattr(deferral, "UNPUBLISHED_PAUSE", 0.3)
+    monkeypatch.setattr(run_module, "UNPUBLISHED_PAUSE", 0.3)
     caplog.set_level(logging.INFO, logger="celery_redlock")
     app = make_app_publishing_nowhere(broker, lock_nodes, monkeypatch)
     gate = threading.Event()

@@ -45,7 +45,7 @@ from ..lock.owner import Owner, claim_prefix, describe_holder
 from ..lock.redlock import jittered
 from . import events
 from .coalesce import coalesce
-from .deferral import DeferralNotPublished, publish_again, wait_instead
+from .deferral import DeferralNotPublished, publish_again
 from .messages import copy_may_come, message_field
 from .plan import TaskPlan
 from .policy import Action, Situation, decide, outcome_name, relation_of
@@ -68,6 +68,14 @@ UNAVAILABLE_PATIENCE = 10.0
 UNAVAILABLE_LONGEST_PAUSE = 0.5
 """The longest pause between two attempts while no quorum answers (jittered up to 0.75 s): with
 the nodes' own back-off of at most 0.5 s, runs start within about a second of their return."""
+
+UNPUBLISHED_PAUSE = 5.0
+"""Seconds a delivery whose deferral was not published waits for its lock in its process before
+it tries to publish again."""
+
+ACKS_LATE_PATIENCE = 10.0
+"""Seconds an ``acks_late`` delivery waits in its process after a deferral was not published,
+before its message goes back to the broker."""
 
 UNAVAILABLE_SINCE_HEADER = "celery_redlock_unavailable_since"
 """Message header: when a run first found no quorum (``redlock_unavailable_timeout`` counts
@@ -188,7 +196,7 @@ class Run:
                         raise self.retry(outcome, holder)
                     raise self.defer_past(outcome, relation, holder)
                 except DeferralNotPublished as failure:
-                    outcome = wait_instead(self, outcome, failure)
+                    outcome = self.wait_instead(outcome, failure)
                     continue
             if action is Action.RAISE:
                 if isinstance(outcome, Unavailable):
@@ -217,7 +225,7 @@ class Run:
                 try:
                     outcome = coalesce(self, self.holder_text(outcome))
                 except DeferralNotPublished as failure:
-                    outcome = wait_instead(self, outcome, failure)
+                    outcome = self.wait_instead(outcome, failure)
                 may_wait = False
 
     def attempt(self, wait: float = 0.0, rounds: int | None = None) -> Outcome:
@@ -359,7 +367,7 @@ class Run:
                 try:
                     raise self.defer(UNAVAILABLE_LONGEST_PAUSE, "no quorum of lock nodes", headers)
                 except DeferralNotPublished as failure:
-                    return wait_instead(self, outcome, failure)
+                    return self.wait_instead(outcome, failure)
             time.sleep(jittered(pause))
             pause = min(pause * 2, UNAVAILABLE_LONGEST_PAUSE)
             # One round per try: this loop is the retry, and each round waits for the probes of
@@ -368,6 +376,49 @@ class Run:
             if not isinstance(next_outcome, Unavailable):
                 return next_outcome
             outcome = next_outcome
+
+    def wait_instead(self, outcome: Outcome, failure: DeferralNotPublished) -> Outcome:
+        """The deferral (or retry) of this delivery, whose last attempt ended in ``outcome``, was
+        not published: wait for the lock in this process a while — `UNPUBLISHED_PAUSE` seconds
+        per try — and return the next outcome, to decide again. Once it has waited as long as it
+        may, raise: `Reject` (requeue) for an ``acks_late`` message, which the broker still
+        holds, after `ACKS_LATE_PATIENCE` seconds at most; else, with a time limit, the
+        publishing error at half the tighter limit, rather than be killed by it unrecorded (a
+        message acknowledged on receipt is gone from the broker; with no limit it waits as long
+        as it takes)."""
+        limits = [limit / 2 for limit in self.plan.time_limits(self.request) if limit]
+        acks_late = bool(self.task.acks_late)
+        if acks_late:
+            limits.append(ACKS_LATE_PATIENCE)
+        left = min(limits) - (time.monotonic() - self.started) if limits else float("inf")
+        if left <= 0:
+            if acks_late:
+                logger.error(
+                    "task %s[%s] could not be deferred (%s): its message goes back to the broker",
+                    self.task.name,
+                    self.task_id,
+                    failure,
+                )
+                raise Reject(failure.error, requeue=True) from failure.error
+            logger.error(
+                "task %s[%s] failed: it could not be deferred (%s), and it may not wait longer "
+                "within its time limits",
+                self.task.name,
+                self.task_id,
+                failure,
+            )
+            raise failure.error
+        logger.warning(
+            "task %s[%s] could not be deferred (%s): it waits in its process instead",
+            self.task.name,
+            self.task_id,
+            failure,
+        )
+        pause = min(UNPUBLISHED_PAUSE, left)
+        if isinstance(outcome, Unavailable):
+            time.sleep(pause)
+            return self.attempt(rounds=1)
+        return self.attempt(wait=pause)
 
     def patience(self) -> float:
         """How long this run may wait in its process for lock nodes: well within its limits."""
@@ -415,7 +466,7 @@ class Run:
     def defer(self, countdown: float, why: str, headers: dict[str, Any] | None = None) -> Ignore:
         """Publish this very message again to run after ``countdown`` seconds, and end this
         delivery: the work lives on in the new message. Raises `DeferralNotPublished` when the
-        broker does not take it (the delivery goes on: `deferral.wait_instead`)."""
+        broker does not take it (the delivery goes on: `wait_instead`)."""
         if self.request.is_eager:
             raise LockNotAcquired(self.lock.key, why)
         try:
