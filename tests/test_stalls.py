@@ -21,8 +21,9 @@ from redlock_support import collect_results_while_the_broker_is_up, value_on, wa
 from reply_faults import FaultyProxy
 
 from celery_redlock import QuorumUnavailable, Redlock
+from celery_redlock.lock.nodes import Endpoint
 from celery_redlock.lock.nodes.resp import pack_command
-from celery_redlock.lock.outcomes import Acquired
+from celery_redlock.lock.outcomes import Acquired, Unavailable
 from celery_redlock.lock.scripts import RELEASE
 from celery_redlock.testing import RedisNodes, RedisServer, celery_processes
 
@@ -294,17 +295,15 @@ def test_a_clean_up_owed_for_a_value_is_dropped_once_that_value_is_a_lock_taken(
     assert dlm.release(outcome.lock)
 
 
-def test_a_clean_up_on_its_way_runs_before_the_round_that_sets_its_value_again(three_nodes):
-    """A stalled node's late reply brings it back into rounds while its probe is still sending
-    the clean-up of the failed round's value (on the probe's own connection). The next round of
-    the same acquisition sets that value again: it must wait for that clean-up, which would
-    otherwise run after it and remove the lock the round counted on."""
-    dlm = Redlock(three_nodes.urls, retry_count=1, node_timeout=NODE_TIMEOUT)
-    dlm.release(dlm.acquire("warm-up", ttl=1.0))
-    key = dlm.key_for("owed")
+def _clean_up_on_its_way(
+    three_nodes: RedisNodes, dlm: Redlock, resource: str, token: str
+) -> tuple[Endpoint, threading.Event]:
+    """A failed round of ``token``'s acquisition of ``resource`` while node 2 stalled, node 2's
+    late replies read (it takes part in rounds again), and its probe about to send that round's
+    clean-up: held at the returned gate until it is set. Node 0 still holds another value."""
+    key = dlm.key_for(resource)
     endpoint = dlm.nodes[2].endpoint_for(key)
     assert endpoint is not None
-    token = "2" * 40
     on_its_way, gate = threading.Event(), threading.Event()
 
     class HeldCleanUps(endpoint.connection_class):  # type: ignore[name-defined,misc]
@@ -319,7 +318,7 @@ def test_a_clean_up_on_its_way_runs_before_the_round_that_sets_its_value_again(t
         client.set(key, f"{'1' * 40}|another", px=int(TTL * 1000))
     three_nodes[2].pause()
     try:
-        outcome = dlm.attempt("owed", TTL, "stalled-round", token=token, rounds=1)
+        outcome = dlm.attempt(resource, TTL, "stalled-round", token=token, rounds=1)
         assert not isinstance(outcome, Acquired)
         assert endpoint.owed, "the failed round's release waits for the stalled node"
     finally:
@@ -328,10 +327,45 @@ def test_a_clean_up_on_its_way_runs_before_the_round_that_sets_its_value_again(t
     assert on_its_way.wait(3.0), "the probe never sent the clean-up"
     with three_nodes[0].client() as client:
         client.delete(key)
+    return endpoint, gate
+
+
+def test_a_clean_up_on_its_way_runs_before_the_round_that_sets_its_value_again(three_nodes):
+    """A stalled node's late reply brings it back into rounds while its probe is still sending
+    the clean-up of the failed round's value (on the probe's own connection). The next round of
+    the same acquisition sets that value again: it must wait for that clean-up, which would
+    otherwise run after it and remove the lock the round counted on."""
+    dlm = Redlock(three_nodes.urls, retry_count=1, node_timeout=NODE_TIMEOUT)
+    dlm.release(dlm.acquire("warm-up", ttl=1.0))
+    token = "2" * 40
+    endpoint, gate = _clean_up_on_its_way(three_nodes, dlm, "owed", token)
     threading.Timer(0.3, gate.set).start()
     outcome = dlm.attempt("owed", TTL, "stalled-round", token=token)
     assert isinstance(outcome, Acquired)
     assert wait_until(lambda: gate.is_set() and not (endpoint.owed or endpoint.probing), 3.0)
-    values = [value_on(server, key) for server in three_nodes]
+    values = [value_on(server, dlm.key_for("owed")) for server in three_nodes]
     assert values == [outcome.lock.value] * 3, "the clean-up removed the lock the round took"
+    assert dlm.release(outcome.lock)
+
+
+def test_no_round_sets_a_value_whose_clean_up_is_on_its_way_for_too_long(three_nodes):
+    """A clean-up still on its way after the round's wait (two probe timeouts): the round is not
+    sent at all — the attempt finds no quorum, and says why — and the next one, once the
+    clean-up went out, takes the lock on every node."""
+    dlm = Redlock(three_nodes.urls, retry_count=1, node_timeout=NODE_TIMEOUT)
+    dlm.release(dlm.acquire("warm-up", ttl=1.0))
+    token = "3" * 40
+    endpoint, gate = _clean_up_on_its_way(three_nodes, dlm, "held-up", token)
+    try:
+        outcome = dlm.attempt("held-up", TTL, "stalled-round", token=token)
+    finally:
+        gate.set()
+    assert isinstance(outcome, Unavailable), outcome
+    assert "still on its way" in str(outcome.error)
+    key = dlm.key_for("held-up")
+    assert [value_on(server, key) for server in three_nodes] == [None] * 3
+    assert wait_until(lambda: not (endpoint.owed or endpoint.probing), 3.0)
+    outcome = dlm.attempt("held-up", TTL, "stalled-round", token=token)
+    assert isinstance(outcome, Acquired)
+    assert [value_on(server, key) for server in three_nodes] == [outcome.lock.value] * 3
     assert dlm.release(outcome.lock)

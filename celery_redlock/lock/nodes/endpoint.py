@@ -305,24 +305,27 @@ class Endpoint:
         owed.append((until, packed))
         self._start_probe()
 
-    def forgive(self, value: bytes) -> None:
+    def forgive(self, value: bytes) -> bool:
         """Drop the clean-ups owed for ``value``, right before a round sets ``value`` again (a
         later round of the acquisition that owed them, with the same token): sent after it, they
-        would remove the lock. When a probe is sending one of them now, wait for its reply
-        first (at most two probe timeouts): on its own connection, it could run after the round."""
-        for _ in range(2):
+        would remove the lock. When a probe is sending one of them now, wait for its reply first
+        (on its own connection, it could run after the round), two probe timeouts at most; False
+        if one is still on its way then: no round may set ``value`` here yet."""
+        deadline = time.monotonic() + 2 * max(self.timeout, PROBE_TIMEOUT_SECONDS)
+        while True:
             if not (self._owed or self._paying):
-                return
+                return True
             with self._debts():
                 owed = self._owed
                 for debt in [debt for debt in owed if value in debt[1]]:
                     owed.remove(debt)
                 in_flight = any(value in packed for _, packed in self._paying)
                 done = self._payment_done
-            if not in_flight:
-                return
-            # A payment that fails puts its clean-ups back: the second pass drops them.
-            done.wait(2 * max(self.timeout, PROBE_TIMEOUT_SECONDS))
+            left = deadline - time.monotonic()
+            if not in_flight or left <= 0:
+                return not in_flight
+            # A payment that fails puts its clean-ups back: the next pass drops them.
+            done.wait(left)
 
     @property
     def owed(self) -> int:

@@ -115,13 +115,16 @@ class NodeGroup:
             raise
         return round_.finish()
 
-    def forgive(self, key: str, value: str) -> None:
-        """Drop the clean-ups owed for ``value`` at ``key``: a round sets it now."""
+    def forgive(self, key: str, value: str) -> bool:
+        """Drop the clean-ups owed for ``value`` at ``key``, as a round is about to set it; False
+        if one is still on its way to a server (`Endpoint.forgive`)."""
         encoded = value.encode()
+        forgiven = True
         for node in self.nodes:
             endpoint = node.endpoint_for(key)
-            if endpoint is not None:
-                endpoint.forgive(encoded)
+            if endpoint is not None and not endpoint.forgive(encoded):
+                forgiven = False
+        return forgiven
 
     def listen_for_releases(self, channel: str) -> ReleaseListener:
         """Subscriptions to ``channel`` (a lock key) on every member that is not backed off."""
