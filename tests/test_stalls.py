@@ -23,7 +23,7 @@ from reply_faults import FaultyProxy
 from celery_redlock import QuorumUnavailable, Redlock
 from celery_redlock.lock.nodes import Endpoint
 from celery_redlock.lock.nodes.resp import pack_command
-from celery_redlock.lock.outcomes import Acquired, Unavailable
+from celery_redlock.lock.outcomes import Acquired
 from celery_redlock.lock.scripts import RELEASE
 from celery_redlock.testing import RedisNodes, RedisServer, celery_processes
 
@@ -330,42 +330,59 @@ def _clean_up_on_its_way(
     return endpoint, gate
 
 
-def test_a_clean_up_on_its_way_runs_before_the_round_that_sets_its_value_again(three_nodes):
+def _needs_node_2(three_nodes: RedisNodes, dlm: Redlock, resource: str) -> str:
+    """Another holder's value on node 1: a lock on ``resource`` needs node 2 for a majority."""
+    other = f"{'1' * 40}|another"
+    with three_nodes[1].client() as client:
+        client.set(dlm.key_for(resource), other, px=int(TTL * 1000))
+    return other
+
+
+def test_a_round_waits_for_the_clean_up_of_its_value_on_its_way_to_a_node(three_nodes):
     """A stalled node's late reply brings it back into rounds while its probe is still sending
     the clean-up of the failed round's value (on the probe's own connection). The next round of
-    the same acquisition sets that value again: it must wait for that clean-up, which would
-    otherwise run after it and remove the lock the round counted on."""
+    the same acquisition sets that value again: it waits for that clean-up, which would
+    otherwise run after it and remove the copy the round counted on (here the lock needs that
+    node for a majority)."""
     dlm = Redlock(three_nodes.urls, retry_count=1, node_timeout=NODE_TIMEOUT)
     dlm.release(dlm.acquire("warm-up", ttl=1.0))
     token = "2" * 40
     endpoint, gate = _clean_up_on_its_way(three_nodes, dlm, "owed", token)
+    other = _needs_node_2(three_nodes, dlm, "owed")
     threading.Timer(0.3, gate.set).start()
     outcome = dlm.attempt("owed", TTL, "stalled-round", token=token)
     assert isinstance(outcome, Acquired)
     assert wait_until(lambda: gate.is_set() and not (endpoint.owed or endpoint.probing), 3.0)
     values = [value_on(server, dlm.key_for("owed")) for server in three_nodes]
-    assert values == [outcome.lock.value] * 3, "the clean-up removed the lock the round took"
+    held = [outcome.lock.value, other, outcome.lock.value]
+    assert values == held, "the clean-up removed the copy the round counted on"
     assert dlm.release(outcome.lock)
 
 
-def test_no_round_sets_a_value_whose_clean_up_is_on_its_way_for_too_long(three_nodes):
-    """A clean-up still on its way after the round's wait (two probe timeouts): the round is not
-    sent at all — the attempt finds no quorum, and says why — and the next one, once the
-    clean-up went out, takes the lock on every node."""
+def test_a_node_whose_clean_up_is_on_its_way_for_too_long_is_skipped(three_nodes):
+    """A clean-up still on its way after the round's wait (two probe timeouts): the node is
+    backed off until the probe is done with it — a late reply does not bring it back — so the
+    round skips it and, needing it for a majority, does not get the lock; once the clean-up
+    went out, the lock is taken."""
     dlm = Redlock(three_nodes.urls, retry_count=1, node_timeout=NODE_TIMEOUT)
     dlm.release(dlm.acquire("warm-up", ttl=1.0))
     token = "3" * 40
     endpoint, gate = _clean_up_on_its_way(three_nodes, dlm, "held-up", token)
+    other = _needs_node_2(three_nodes, dlm, "held-up")
     try:
         outcome = dlm.attempt("held-up", TTL, "stalled-round", token=token)
+        # The node's late reply, read meanwhile, did not end that back-off.
+        assert endpoint.is_backed_off(time.monotonic())
     finally:
         gate.set()
-    assert isinstance(outcome, Unavailable), outcome
-    assert "still on its way" in str(outcome.error)
     key = dlm.key_for("held-up")
-    assert [value_on(server, key) for server in three_nodes] == [None] * 3
     assert wait_until(lambda: not (endpoint.owed or endpoint.probing), 3.0)
+    values = [value_on(server, key) for server in three_nodes]
+    assert not isinstance(outcome, Acquired), f"counted a node its clean-up then emptied: {values}"
+    assert values == [None, other, None]
+    assert wait_until(lambda: not endpoint.is_backed_off(time.monotonic()), 3.0)
     outcome = dlm.attempt("held-up", TTL, "stalled-round", token=token)
     assert isinstance(outcome, Acquired)
-    assert [value_on(server, key) for server in three_nodes] == [outcome.lock.value] * 3
+    values = [value_on(server, key) for server in three_nodes]
+    assert values == [outcome.lock.value, other, outcome.lock.value]
     assert dlm.release(outcome.lock)

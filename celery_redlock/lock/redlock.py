@@ -200,10 +200,7 @@ class Redlock:
             # An earlier round of this acquisition (or an earlier attempt of the same run), with
             # the same token, may have left a clean-up owed to a node that was silent: sent after
             # this round, it would remove the lock this round takes.
-            if not self._group.forgive(key, value):
-                why = "a clean-up of an earlier round is still on its way to a node"
-                outcome = Unavailable(QuorumUnavailable(key, 0, self.quorum, (why,)))
-                continue
+            self._group.forgive(key, value)
             try:
                 result = self._group.run(scripts.ACQUIRE, keys, arguments, judge, grants=True)
                 outcome = self._outcome(acquisition, started, result)

@@ -10,7 +10,8 @@ fails every command (out of memory, read-only) stays backed off.
 A server may run commands it was sent while it seemed down (a stalled server resumes and runs the
 SETs it holds). So a clean-up it could not be sent, or whose reply never came (`Endpoint.owe`), is
 kept and sent by the probe as soon as the server answers again, for as long as what it removes
-could still live: nothing a caller sent outlives it by more than a probe.
+could still live: nothing a caller sent outlives it by more than a probe. A round about to set a
+value first drops the clean-ups owed for it and waits for one the probe is sending (`forgive`).
 """
 
 from __future__ import annotations
@@ -305,25 +306,29 @@ class Endpoint:
         owed.append((until, packed))
         self._start_probe()
 
-    def forgive(self, value: bytes) -> bool:
+    def forgive(self, value: bytes) -> None:
         """Drop the clean-ups owed for ``value``, right before a round sets ``value`` again (a
         later round of the acquisition that owed them, with the same token): sent after it, they
         would remove the lock. When a probe is sending one of them now, wait for its reply first
-        (on its own connection, it could run after the round), two probe timeouts at most; False
-        if one is still on its way then: no round may set ``value`` here yet."""
+        (on its own connection, it could run after the round), two probe timeouts at most; one
+        still on its way then backs the server off until the probe is done with it, so that the
+        round skips the server."""
         deadline = time.monotonic() + 2 * max(self.timeout, PROBE_TIMEOUT_SECONDS)
         while True:
             if not (self._owed or self._paying):
-                return True
+                return
             with self._debts():
                 owed = self._owed
                 for debt in [debt for debt in owed if value in debt[1]]:
                     owed.remove(debt)
                 in_flight = any(value in packed for _, packed in self._paying)
                 done = self._payment_done
+            if not in_flight:
+                return
             left = deadline - time.monotonic()
-            if not in_flight or left <= 0:
-                return not in_flight
+            if left <= 0:
+                self.mark_down(time.monotonic(), "a clean-up sent to it is still unanswered")
+                return
             # A payment that fails puts its clean-ups back: the next pass drops them.
             done.wait(left)
 
@@ -418,7 +423,9 @@ class Endpoint:
         if self._backoff:
             logger.info("lock node %s answers again", self.name)
             self._backoff = 0.0
-            self._suspect = False
+            with self._debts():
+                if not self._paying:  # else the probe ends the back-off once they are sent
+                    self._suspect = False
 
     def _observe(self, delay: float) -> None:
         lateness = self.lateness

@@ -115,16 +115,14 @@ class NodeGroup:
             raise
         return round_.finish()
 
-    def forgive(self, key: str, value: str) -> bool:
-        """Drop the clean-ups owed for ``value`` at ``key``, as a round is about to set it; False
-        if one is still on its way to a server (`Endpoint.forgive`)."""
+    def forgive(self, key: str, value: str) -> None:
+        """Drop the clean-ups owed for ``value`` at ``key``, as a round is about to set it (a
+        server one of them is still on its way to is backed off: `Endpoint.forgive`)."""
         encoded = value.encode()
-        forgiven = True
         for node in self.nodes:
             endpoint = node.endpoint_for(key)
-            if endpoint is not None and not endpoint.forgive(encoded):
-                forgiven = False
-        return forgiven
+            if endpoint is not None:
+                endpoint.forgive(encoded)
 
     def listen_for_releases(self, channel: str) -> ReleaseListener:
         """Subscriptions to ``channel`` (a lock key) on every member that is not backed off."""
