@@ -20,6 +20,7 @@ import random
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import TypedDict, Unpack
 
 from ..errors import ConfigurationError, LockNotAcquired, QuorumUnavailable
 from ..settings import RedlockSettings, check_seconds, even_node_warning, split_urls
@@ -51,6 +52,14 @@ DRIFT_CONSTANT_SECONDS = 0.002
 SPLIT_LONGEST_PAUSE = 1.0
 """The longest random pause of a waiting caller after a split vote (the longest pause starts at
 ``retry_delay`` and doubles after each split in a row)."""
+
+
+class AcquireOptions(TypedDict, total=False):
+    """The keyword options of `Redlock.acquire` that `Redlock.lock` passes on."""
+
+    blocking: bool
+    timeout: float | None
+    owner: str
 
 
 def jittered(seconds: float) -> float:
@@ -340,19 +349,11 @@ class Redlock:
         return outcome.lock if isinstance(outcome, Acquired) else None
 
     @contextmanager
-    def lock(
-        self,
-        resource: str,
-        ttl: float,
-        *,
-        blocking: bool = False,
-        timeout: float | None = None,
-        owner: str = "",
-    ) -> Iterator[Lock]:
-        """Hold the lock on ``resource`` for the ``with`` block (taken as `acquire` takes it);
-        release it on the way out. Raises `LockNotAcquired` when the lock is held by someone
-        else."""
-        lock = self.acquire(resource, ttl, blocking=blocking, timeout=timeout, owner=owner)
+    def lock(self, resource: str, ttl: float, **options: Unpack[AcquireOptions]) -> Iterator[Lock]:
+        """Hold the lock on ``resource`` for the ``with`` block, taken as `acquire` takes it
+        (``blocking``, ``timeout`` and ``owner`` by keyword); release it on the way out. Raises
+        `LockNotAcquired` when the lock is held by someone else."""
+        lock = self.acquire(resource, ttl, **options)
         if lock is None:
             raise LockNotAcquired(self.key_for(resource))
         try:
