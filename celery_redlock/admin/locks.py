@@ -89,7 +89,7 @@ def call_key(
     the arguments do not fit the task's signature. Touches no node."""
     task = find_task(app, task_name)
     kwargs = dict(kwargs or {})
-    resource = task.lock_plan.resource(tuple(args), kwargs)
+    resource = task.lock_plan.recipe.resource(tuple(args), kwargs)
     key = task.lock_key_for(*args, **kwargs)
     return CallKey(task.name, tuple(args), kwargs, key_basis(task), resource, key)
 

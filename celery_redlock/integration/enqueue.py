@@ -67,7 +67,7 @@ def claim(
     plan = task.lock_plan
     serializer = options.get("serializer") or task.serializer or task.app.conf.task_serializer
     delivered_args, delivered_kwargs = as_delivered(args or (), kwargs or {}, serializer)
-    resource = plan.resource(delivered_args, delivered_kwargs)
+    resource = plan.recipe.resource(delivered_args, delivered_kwargs)
     new_id = task_id or uuid()
     owner = Owner.here(task.name, new_id, queued=True).to_text()
     outcome = plan.runtime.redlock.attempt(resource, plan.ttl, owner)

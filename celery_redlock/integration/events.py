@@ -52,11 +52,6 @@ def _sends_events(task: Any) -> WorkerFacts | None:
     return facts
 
 
-def listening(task: Any, signal: Signal) -> bool:
-    """Whether anything receives the outcome ``signal`` reports: a receiver, or a monitor."""
-    return bool(signal.receivers) or _sends_events(task) is not None
-
-
 def report(task: Any, signal: Signal, task_id: str | None, **fields: Any) -> None:
     """Send ``signal`` (if it has receivers) and the Celery event ``redlock-<outcome>`` (if the
     worker sends task events) for one lock outcome of ``task``'s run ``task_id``."""

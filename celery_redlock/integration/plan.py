@@ -4,7 +4,6 @@ app's settings once per task (`TaskPlan`): what does not change from one run to 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,18 +58,6 @@ class TaskPlan:
     owner_texts: RunOwnerTexts
     replaces_claims: bool
     redelivery_window: float  # the broker's visibility_timeout (`settings.redelivery_window`)
-
-    def resource(self, args: Sequence[Any], kwargs: dict[str, Any]) -> str:
-        """The lock resource of one call (`LockKeyError` when it cannot be derived)."""
-        return self.recipe.resource(args, kwargs)
-
-    def time_limits(self, request: Any) -> tuple[float | None, float | None]:
-        """A run's (hard, soft) time limits: its message's own, else the task's or the app's."""
-        hard, soft = getattr(request, "timelimit", None) or (None, None)
-        return (
-            float(hard) if hard else self.hard_time_limit,
-            float(soft) if soft else self.soft_time_limit,
-        )
 
 
 def make_plan(task: Any) -> TaskPlan:

@@ -36,7 +36,7 @@ def free_lost_run(task: Any, task_id: str | None, args: Any, kwargs: Any, pid: i
         return
     try:
         plan = task.lock_plan
-        resource = plan.resource(args or (), kwargs or {})
+        resource = plan.recipe.resource(args or (), kwargs or {})
         freed = release_if_owner(
             plan.runtime.redlock, resource, run_prefix(task_id, pid, socket.gethostname())
         )

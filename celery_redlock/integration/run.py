@@ -31,13 +31,7 @@ from celery import states
 from celery.exceptions import Ignore, Reject, Retry
 
 from .. import signals
-from ..errors import (
-    AlreadyCompleted,
-    DuplicateSkipped,
-    LockNotAcquired,
-    QuorumUnavailable,
-    RedlockError,
-)
+from ..errors import AlreadyCompleted, DuplicateSkipped, LockNotAcquired, RedlockError
 from ..lock import keyspace
 from ..lock.keeper import KeptLock
 from ..lock.outcomes import Acquired, Contended, Held, Lock, Outcome, Record, Unavailable, new_token
@@ -46,6 +40,7 @@ from ..lock.redlock import jittered
 from . import events
 from .coalesce import coalesce
 from .deferral import DeferralNotPublished, publish_again
+from .events import WORKER_ATTRIBUTE, WorkerFacts
 from .messages import copy_may_come, message_field
 from .plan import TaskPlan
 from .policy import Action, Situation, decide, outcome_name, relation_of
@@ -99,8 +94,16 @@ class Run:
         self.task_id: str | None = request.id
         self.can_publish = not request.called_directly  # a plain call has no message
         self.attempt_rank = (request.replaced_task_nesting or 0, request.retries or 0)
-        facts = events.worker_facts(task.app)
+        facts: WorkerFacts | None = task.app.__dict__.get(WORKER_ATTRIBUTE)
         worker = facts.name if facts is not None else request.hostname
+        # Reports are built only where something receives them: a signal's receiver, or a
+        # monitor (the worker sends task events, `events`).
+        self.monitored = facts is not None and facts.task_events and bool(task.send_events)
+        hard, soft = getattr(request, "timelimit", None) or (None, None)
+        self.time_limits = (  # its message's own, else the task's or the app's
+            float(hard) if hard else plan.hard_time_limit,
+            float(soft) if soft else plan.soft_time_limit,
+        )
         nesting, retries = self.attempt_rank
         owner = plan.owner_texts.text(request.id, retries, nesting, worker)
         key = self.runtime.redlock.key_for(resource)
@@ -180,12 +183,13 @@ class Run:
                 assert isinstance(outcome, Acquired)
                 return outcome.lock
             if action is Action.RUN_UNGUARDED:
+                assert isinstance(outcome, Unavailable)
                 self.report_unavailable(outcome)
                 logger.warning(
                     "task %s[%s] runs WITHOUT its lock (on_unavailable='run'): %s",
                     self.task.name,
                     self.task_id,
-                    error_of(outcome),
+                    outcome.error,
                 )
                 return None
             if action is Action.ACKNOWLEDGE:
@@ -246,7 +250,7 @@ class Run:
     def hold_while_running(self, lock: Lock) -> None:
         """Keep the acquired lock alive while the body runs (never past its hard time limit, which
         only a worker enforces)."""
-        hard_limit = self.plan.time_limits(self.request)[0] if self.can_publish else None
+        hard_limit = self.time_limits[0] if self.can_publish else None
         deadline = None if hard_limit is None else time.monotonic() + hard_limit
         task, task_id = self.task, self.task_id
 
@@ -259,14 +263,15 @@ class Run:
         self.lock = lock
         self.started = time.monotonic()
         self.kept = self.runtime.keeper.keep(lock, on_lost, deadline, self.plan.auto_extend)
-        events.report(
-            task,
-            signals.lock_acquired,
-            task_id,
-            key=lock.key,
-            waited=waited,
-            fencing_token=lock.fencing_token,
-        )
+        if signals.lock_acquired.receivers or self.monitored:
+            events.report(
+                task,
+                signals.lock_acquired,
+                task_id,
+                key=lock.key,
+                waited=waited,
+                fencing_token=lock.fencing_token,
+            )
 
     def finish(self, state: str) -> bool:
         """End the run's lock: release it (or keep it ``lock_hold`` more seconds, never on
@@ -278,7 +283,7 @@ class Run:
         if kept is not None:
             self.runtime.keeper.stop(kept)
         records = self.writes_record and kept is not None and state in COMPLETED_STATES
-        reported = kept is not None and events.listening(self.task, signals.lock_released)
+        reported = kept is not None and (bool(signals.lock_released.receivers) or self.monitored)
         released = False
         try:
             # Sent even for a lock known to be lost: copies may still be on some nodes. Only a
@@ -386,7 +391,7 @@ class Run:
         publishing error at half the tighter limit, rather than be killed by it unrecorded (a
         message acknowledged on receipt is gone from the broker; with no limit it waits as long
         as it takes)."""
-        limits = [limit / 2 for limit in self.plan.time_limits(self.request) if limit]
+        limits = [limit / 2 for limit in self.time_limits if limit]
         acks_late = bool(self.task.acks_late)
         if acks_late:
             limits.append(ACKS_LATE_PATIENCE)
@@ -422,7 +427,7 @@ class Run:
 
     def patience(self) -> float:
         """How long this run may wait in its process for lock nodes: well within its limits."""
-        limits = [limit for limit in self.plan.time_limits(self.request) if limit]
+        limits = [limit for limit in self.time_limits if limit]
         return min([UNAVAILABLE_PATIENCE, *(limit / 2 for limit in limits)])
 
     # -- decisions that end a delivery without running it ----------------------------------
@@ -561,6 +566,15 @@ class Run:
         )
 
 
+def release_leftovers(sender: Any = None, task: Any = None, state: str = "", **_: Any) -> None:
+    """``task_postrun`` handler (connected by `wiring`): finish what the run that just ended
+    left registered on its request."""
+    task = task or sender
+    run: Run | None = getattr(getattr(task, "request", None), RUN_ATTRIBUTE, None)
+    if run is not None:
+        run.finish(state or states.FAILURE)
+
+
 def current_run(task: Any) -> Run | None:
     """The run of ``task`` under way in this thread. A plain function call's run sits on the
     request it pushed, below the one Celery's ``Task.__call__`` pushes for the body (which
@@ -570,11 +584,6 @@ def current_run(task: Any) -> Run | None:
         if run is not None:
             return run
     return None
-
-
-def error_of(outcome: Outcome) -> QuorumUnavailable | None:
-    """The error of an `Unavailable` outcome, else None."""
-    return outcome.error if isinstance(outcome, Unavailable) else None
 
 
 def state_after(error: BaseException) -> str:

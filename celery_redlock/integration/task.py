@@ -64,7 +64,7 @@ class SingletonTask(Task):  # type: ignore[misc]
     def lock_key_for(self, *args: Any, **kwargs: Any) -> str:
         """The Redis key a call with these arguments locks (under the key prefix)."""
         plan = self.lock_plan
-        return plan.runtime.redlock.key_for(plan.resource(args, kwargs))
+        return plan.runtime.redlock.key_for(plan.recipe.resource(args, kwargs))
 
     @property
     def lock(self) -> Lock | None:
@@ -133,12 +133,14 @@ class SingletonTask(Task):  # type: ignore[misc]
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         plan = self.lock_plan
         if not self.request.called_directly:
-            return Run(self, plan, self.request, plan.resource(args, kwargs)).execute(args, kwargs)
+            return Run(self, plan, self.request, plan.recipe.resource(args, kwargs)).execute(
+                args, kwargs
+            )
         # A plain function call: a request of its own holds the run (Celery's default request
         # is shared by threads), and Celery's own __call__ runs the body, which sees it.
         self.push_request(args=args, kwargs=kwargs)
         try:
-            run = Run(self, plan, self.request, plan.resource(args, kwargs))
+            run = Run(self, plan, self.request, plan.recipe.resource(args, kwargs))
             body = super().__call__
             return run.execute(args, kwargs, lambda: body(*args, **kwargs))
         finally:

@@ -1,12 +1,12 @@
-"""The signal handlers through which celery_redlock hooks into Celery besides the task's own
+"""The signal connections through which celery_redlock hooks into Celery besides the task's own
 ``__call__``; `connect`, called when the package is imported, makes the connections — the
 package's only module-level state:
 
 - ``before_task_publish``: every new task message gets its identity (`messages`);
-- ``task_postrun``, which fires for every outcome: releases whatever a run left registered on
-  its request — an acquisition interrupted between sending and deciding (a soft time limit, a
-  signal), or a release interrupted itself. Normally a run has released the moment its body
-  ended (`run`);
+- ``task_postrun``, which fires for every outcome: `run.release_leftovers` releases whatever a
+  run left registered on its request — an acquisition interrupted between sending and deciding
+  (a soft time limit, a signal), or a release interrupted itself. Normally a run has released
+  the moment its body ended;
 - ``worker_init``, in the worker's main process: remember the worker's name and whether it sends
   events (`events`), and start the reaper timer when ``redlock_reap_interval`` is
   set (`celery_redlock.admin.reap`);
@@ -22,24 +22,15 @@ from __future__ import annotations
 from typing import Any
 
 from celery import signals as celery_signals
-from celery import states
 
 from ..admin.reap import start_reaper_thread
 from ..admin.startup import report_lock_nodes
 from .events import remember_worker
 from .messages import name_message
 from .process_loss import LockAwareRequest
-from .run import RUN_ATTRIBUTE, Run
+from .run import release_leftovers
 
 __all__ = ["LockAwareRequest", "connect", "release_leftovers", "start_reaper"]
-
-
-def release_leftovers(sender: Any = None, task: Any = None, state: str = "", **_: Any) -> None:
-    """``task_postrun`` handler: finish what the run that just ended left registered."""
-    task = task or sender
-    run: Run | None = getattr(getattr(task, "request", None), RUN_ATTRIBUTE, None)
-    if run is not None:
-        run.finish(state or states.FAILURE)
 
 
 def start_reaper(sender: Any = None, **_: Any) -> None:
