@@ -313,6 +313,8 @@ class Endpoint:
         (on its own connection, it could run after the round), two probe timeouts at most; one
         still on its way then backs the server off until the probe is done with it, so that the
         round skips the server."""
+        if not (self._owed or self._paying):
+            return  # nothing owed: the common case, with no lock taken
         deadline = time.monotonic() + 2 * max(self.timeout, PROBE_TIMEOUT_SECONDS)
         while True:
             if not (self._owed or self._paying):
