@@ -19,3 +19,14 @@ def test_redis_py_hands_over_its_connected_socket(one_node) -> None:
         assert sock.recv(64) == b"+PONG\r\n"
     finally:
         sock.close()
+
+
+def test_redis_py_clients_of_a_node_read_with_redis_py_s_python_parser(one_node) -> None:
+    """Where hiredis is installed (as in this suite), redis-py would read with it, and its
+    hiredis parser (redis-py 8.1) refuses new TLS connections (tests/test_tls.py): the nodes
+    layer asks for redis-py's Python parser (``redis._parsers._RESP2Parser``, a private name)."""
+    from redis._parsers import _RESP2Parser
+
+    with Endpoint.from_url(one_node.urls[0], 1.0).client() as client:
+        assert client.connection_pool.connection_kwargs["parser_class"] is _RESP2Parser
+        assert client.ping() is True

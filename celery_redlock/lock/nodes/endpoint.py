@@ -28,6 +28,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import redis
+from redis._parsers import _RESP2Parser
 from redis.backoff import NoBackoff
 from redis.connection import AbstractConnection, Connection, ConnectionPool
 from redis.exceptions import (
@@ -117,8 +118,9 @@ def connection_options(
     url: str, node_timeout: float, username: str | None = None, password: str | None = None
 ) -> tuple[type[AbstractConnection], dict[str, Any]]:
     """redis-py's connection class and keyword arguments for a ``redis://``, ``rediss://`` or
-    ``unix://`` URL, with ``node_timeout`` for connecting and every read, no retries, RESP2 and
-    no CLIENT SETINFO. ``username`` and ``password`` apply when the URL names no credentials."""
+    ``unix://`` URL, with ``node_timeout`` for connecting and every read, no retries, RESP2 (read
+    by redis-py's Python parser) and no CLIENT SETINFO. ``username`` and ``password`` apply
+    when the URL names no credentials."""
     credentials = {} if has_credentials(url) else {"username": username, "password": password}
     try:
         pool = ConnectionPool.from_url(
@@ -139,6 +141,11 @@ def connection_options(
     # No CLIENT SETINFO in the handshake: connecting to a hung server then costs nothing until
     # the round's own command, which every server is waited for in parallel.
     options.update(_NO_CLIENT_SETINFO)
+    # redis-py's own parser even where hiredis is installed: with hiredis, redis-py (8.1) takes
+    # the TLS session tickets a server sends after the handshake for unread replies, and drops
+    # every new TLS connection of a pool ("Connection not ready"). Replies on the nodes layer's
+    # own connections are parsed by `resp`, with hiredis where it is installed.
+    options["parser_class"] = _RESP2Parser
     return pool.connection_class, options
 
 
