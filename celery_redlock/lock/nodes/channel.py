@@ -29,7 +29,7 @@ from typing import Any, Protocol
 from redis.exceptions import RedisError as RedisClientError
 
 from .endpoint import Endpoint, describe_failure
-from .resp import INCOMPLETE, ErrorReply, ProtocolError, ReplyParser
+from .resp import INCOMPLETE, ErrorReply, ProtocolError, new_reply_parser
 
 READ_SIZE = 65536
 IDLE_CHECK_SECONDS = 0.25
@@ -124,7 +124,7 @@ class Channel:
         self.lock = threading.Lock()
         self.socket: Any = None
         self.generation = 0  # grows with every new connection and every failure
-        self._parser = ReplyParser()
+        self._parser = new_reply_parser()
         self._pending: collections.deque[Slot] = collections.deque()
         self._outbox: list[bytes] = []
         self._writing = False  # the current connection has a writer (a failure starts anew)
@@ -296,7 +296,7 @@ class Channel:
         sock.setblocking(False)
         self.socket = sock
         self.generation += 1
-        self._parser = ReplyParser()
+        self._parser = new_reply_parser()
         if self.greeting:
             now = time.monotonic()
             for _ in self.greeting:
@@ -458,7 +458,7 @@ class Channel:
         self._pending.clear()
         self._outbox.clear()
         self._writing = False
-        self._parser = ReplyParser()
+        self._parser = new_reply_parser()
         if in_use:
             # A thread writes or reads it now: it is closed once that thread is done with it,
             # so that its descriptor is not reused meanwhile. Shut down, what that thread does

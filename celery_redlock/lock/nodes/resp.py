@@ -1,10 +1,20 @@
 """The Redis protocol (RESP2) on the wire: commands encoded once for every node, and replies
 parsed incrementally from whatever bytes have arrived, so that one read can carry the replies of
-many callers' pipelined commands."""
+many callers' pipelined commands. Replies are parsed by hiredis where it is installed (the
+``hiredis`` extra, as redis-py does; about 2 µs less per reply), else in Python."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol, cast
+
+try:
+    import hiredis
+except ImportError:  # the hiredis extra is not installed
+    hiredis = None  # type: ignore[assignment]
+
+REPLY_LIMIT = 1_000_000
+"""Bytes a reply may take before it is complete: a node sending more is not answering a lock
+script (whose replies are a few hundred bytes), and is not buffered for ever."""
 
 
 def pack_arguments(*arguments: str | int | bytes) -> bytes:
@@ -50,14 +60,53 @@ class NeedMore(Exception):
     """The buffer ends inside a reply (raised by the parser, never outside this module)."""
 
 
-class ReplyParser:
+class ReplyParser(Protocol):
     """Turns the bytes read from one connection into replies, in order.
 
     `feed` adds bytes; `next_reply` returns the next complete reply, or `INCOMPLETE` when the
     bytes so far end inside one. Status replies are ``bytes`` (``b"OK"``), bulk strings
     ``bytes``, nil ``None``, integers ``int``, arrays ``list``, errors `ErrorReply`. Raises
-    `ProtocolError` on bytes that are not RESP.
+    `ProtocolError` on bytes that are not RESP, and on a reply still incomplete after
+    `REPLY_LIMIT` bytes.
     """
+
+    def feed(self, data: bytes) -> None:
+        """Add bytes read from the connection."""
+
+    def next_reply(self) -> Any:
+        """The next complete reply, or `INCOMPLETE`."""
+
+
+def new_reply_parser() -> ReplyParser:
+    """A parser for one connection: hiredis's where it is installed, else `PythonReplyParser`."""
+    return PythonReplyParser() if hiredis is None else HiredisReplyParser()
+
+
+class HiredisReplyParser:
+    """A `ReplyParser` on hiredis's reader (C): the same replies from well-formed RESP."""
+
+    __slots__ = ("_reader",)
+
+    def __init__(self) -> None:
+        # Any callable will do for replyError (the stubs ask for an exception): the reader
+        # returns what it builds.
+        self._reader = hiredis.Reader(replyError=cast(Any, ErrorReply), notEnoughData=INCOMPLETE)
+
+    def feed(self, data: bytes) -> None:
+        self._reader.feed(data)
+
+    def next_reply(self) -> Any:
+        try:
+            reply = self._reader.gets()
+        except hiredis.ProtocolError as error:
+            raise ProtocolError(str(error)) from None
+        if reply is INCOMPLETE and self._reader.len() > REPLY_LIMIT:
+            raise ProtocolError(f"a reply longer than {REPLY_LIMIT} bytes")
+        return reply
+
+
+class PythonReplyParser:
+    """A `ReplyParser` in Python, for where hiredis is not installed."""
 
     __slots__ = ("_buffer", "_position")
 
@@ -79,14 +128,14 @@ class ReplyParser:
         try:
             reply, self._position = self._parse(self._position)
         except NeedMore:
+            if len(self._buffer) - self._position > REPLY_LIMIT:
+                raise ProtocolError(f"a reply longer than {REPLY_LIMIT} bytes") from None
             return INCOMPLETE
         return reply
 
     def _line(self, start: int) -> tuple[bytes, int]:
         end = self._buffer.find(b"\r\n", start)
         if end < 0:
-            if len(self._buffer) - start > 1_000_000:
-                raise ProtocolError("a reply line longer than a megabyte")
             raise NeedMore
         return bytes(self._buffer[start:end]), end + 2
 

@@ -15,7 +15,7 @@ from redis.exceptions import RedisError as RedisClientError
 
 from .channel import READ_SIZE, Slot
 from .endpoint import Endpoint
-from .resp import INCOMPLETE, ProtocolError, ReplyParser, pack_command
+from .resp import INCOMPLETE, ProtocolError, new_reply_parser, pack_command
 
 
 class Listening(Protocol):
@@ -34,7 +34,7 @@ class Subscriber:
         self.on_connect = on_connect
         self.lock = threading.Lock()
         self.socket: Any = None
-        self._parser = ReplyParser()
+        self._parser = new_reply_parser()
         self._listeners: dict[str, set[Listening]] = {}
         self._confirmed: set[str] = set()
 
@@ -50,7 +50,7 @@ class Subscriber:
             try:
                 if self.socket is None:
                     self.socket = self.endpoint.open_socket()
-                    self._parser = ReplyParser()
+                    self._parser = new_reply_parser()
                     self._confirmed.clear()
                     names = list(self._listeners)
                     if names:
