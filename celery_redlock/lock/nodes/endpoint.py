@@ -142,9 +142,9 @@ def connection_options(
     # the round's own command, which every server is waited for in parallel.
     options.update(_NO_CLIENT_SETINFO)
     # redis-py's own parser even where hiredis is installed: with hiredis, redis-py (8.1) takes
-    # the TLS session tickets a server sends after the handshake for unread replies, and drops
-    # every new TLS connection of a pool ("Connection not ready"). Replies on the nodes layer's
-    # own connections are parsed by `resp`, with hiredis where it is installed.
+    # the TLS session tickets a server sends after the handshake for unread replies when the
+    # handshake read nothing (no CLIENT SETINFO, no AUTH), and drops every new TLS connection
+    # of a pool ("Connection not ready"). The nodes layer's own connections parse with `resp`.
     options["parser_class"] = _RESP2Parser
     return pool.connection_class, options
 
