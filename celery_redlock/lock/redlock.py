@@ -20,7 +20,7 @@ import random
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import TypedDict, Unpack
+from typing import TYPE_CHECKING, TypedDict
 
 from ..errors import ConfigurationError, LockNotAcquired, QuorumUnavailable
 from ..settings import RedlockSettings, check_seconds, even_node_warning, split_urls
@@ -43,6 +43,9 @@ from .outcomes import (
 )
 from .owner import lock_value
 from .replies import acquire_judge, copies_in, is_integer, judge_copy, judge_one, judge_zero_or_one
+
+if TYPE_CHECKING:
+    from typing import Unpack
 
 logger = logging.getLogger(__name__)
 
