@@ -4,6 +4,7 @@ Run from the repository root::
 
     python benchmarks/split_run.py              # 2,000 tasks per variant, 1 lock node, 2 rounds
     python benchmarks/split_run.py --nodes 5 --tasks 4000
+    python benchmarks/split_run.py --nodes 5 --pin   # servers on CPU 0, the worker on CPU 1
 
 Starts its own ``redis-server`` processes on free ports (a broker and the lock nodes) and, per
 round and variant, queues ``--tasks`` no-op calls (distinct arguments) first, then starts an
@@ -20,6 +21,7 @@ worker thread spends outside ``SingletonTask.__call__`` beyond plain is Celery's
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import threading
 import time
@@ -142,9 +144,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nodes", type=int, default=1, help="lock nodes (1)")
     parser.add_argument("--tasks", type=int, default=2000, help="calls per variant and round")
     parser.add_argument("--rounds", type=int, default=2, help="rounds (2)")
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="the broker and the lock nodes on CPU 0, the worker (this process) on CPU 1",
+    )
     arguments = parser.parse_args(argv)
     tasks = arguments.tasks
+    if arguments.pin:
+        os.sched_setaffinity(0, {0})  # the servers started now inherit it
     with RedisServer() as broker, RedisNodes(arguments.nodes) as nodes:
+        if arguments.pin:
+            os.sched_setaffinity(0, {1})
         for number in range(arguments.rounds):
             plain = run_variant(broker.url, nodes.urls, "plain", tasks, f"plain{number}")
             spent: dict[str, float] = {}
