@@ -271,6 +271,13 @@ def _broker_settled(broker: RedisServer) -> bool:
         return client.llen("celery") == 0 and client.hlen("unacked") == 0
 
 
+def _ran_twice_and_settled(
+    deliveries: dict[str, list[str]], task_id: str, broker: RedisServer
+) -> bool:
+    """Both deliveries of ``task_id`` started and finished, and the broker holds nothing more."""
+    return deliveries.get(task_id) == ["started", "finished"] * 2 and _broker_settled(broker)
+
+
 def _redelivered(raw_message: bytes) -> bytes:
     """The message as kombu's Redis transport puts it back on its queue when it restores an
     unacknowledged delivery (``Channel._do_restore_message``): the very same message, marked
@@ -305,12 +312,10 @@ def test_the_same_message_delivered_again_after_its_run_is_acknowledged_and_keep
         assert wait_until(lambda: _broker_settled(broker), timeout=5)
         with broker.client() as client:
             client.lpush("celery", _redelivered(raw_message))
-        assert wait_until(
-            lambda: (
-                deliveries.get(result.id) == ["started", "finished"] * 2 and _broker_settled(broker)
-            ),
-            timeout=10,
-        ), (deliveries, run_log.runs())
+        assert wait_until(lambda: _ran_twice_and_settled(deliveries, result.id, broker), 10), (
+            deliveries,
+            run_log.runs(),
+        )
     assert [run["run"] for run in _runs_of(run_log, result.id)] == [ran]
     # The first run's result is never overwritten by the acknowledgement of its copy.
     assert _stored(app, result.id) == ("SUCCESS", ran)
@@ -344,12 +349,10 @@ def test_a_redelivered_copy_acknowledged_on_receipt_records_its_run(
         assert wait_until(lambda: _broker_settled(broker), timeout=5)
         with broker.client() as client:
             client.lpush("celery", raw_message)  # the first delivery, finally let go
-        assert wait_until(
-            lambda: (
-                deliveries.get(result.id) == ["started", "finished"] * 2 and _broker_settled(broker)
-            ),
-            timeout=10,
-        ), (deliveries, run_log.runs())
+        assert wait_until(lambda: _ran_twice_and_settled(deliveries, result.id, broker), 10), (
+            deliveries,
+            run_log.runs(),
+        )
     assert [run["run"] for run in _runs_of(run_log, result.id)] == [ran]
     assert completion_ranks(lock_nodes, result.id) == [{"0:0"}] * len(lock_nodes)
 
