@@ -634,6 +634,41 @@ def test_a_fork_while_threads_read_and_write_does_not_hang_the_child(
     assert hammered == []
 
 
+
+@pytest.mark.filterwarnings(FORK_WARNING)
+def test_no_token_is_taken_twice_by_threads_or_by_a_forked_child(one_node: RedisNodes) -> None:
+    # Tokens are drawn from `secrets` many at a time: the first acquisition leaves the rest of
+    # its draw in the parent, which a forked child copies and must never take.
+    redlock = Redlock(one_node.urls)
+    first = redlock.acquire("tokens:{parent}", ttl=10)
+    assert first is not None
+    report_from, report_to = os.pipe()
+    child = os.fork()
+    if child == 0:
+
+        def work() -> list[str]:
+            locks = [redlock.acquire(f"tokens:{{child-{n}}}", ttl=10) for n in range(8)]
+            return [lock.token if lock is not None else "not acquired" for lock in locks]
+
+        report_and_exit(report_to, work)  # the child's tokens, as its "problems"
+    os.close(report_to)
+    tokens = [first.token]
+
+    def acquire(number: int) -> list[str]:
+        lock = redlock.acquire(f"tokens:{{thread-{number}}}", ttl=10)
+        assert lock is not None
+        tokens.append(lock.token)
+        return []
+
+    assert run_threads(16, acquire) == []
+    ended, child_tokens = child_outcome(child, report_from)
+    assert ended == "exit 1"  # it reported its tokens
+    assert len(child_tokens) == 8 and "not acquired" not in child_tokens
+    assert len(set(tokens)) == 17
+    assert set(tokens).isdisjoint(child_tokens)
+    assert len(set(child_tokens)) == 8
+
+
 # -- 3. a node that hangs mid-pipeline ----------------------------------------------------------
 
 

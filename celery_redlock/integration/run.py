@@ -34,7 +34,7 @@ from .. import signals
 from ..errors import AlreadyCompleted, DuplicateSkipped, LockNotAcquired, RedlockError
 from ..lock import keyspace
 from ..lock.keeper import KeptLock
-from ..lock.outcomes import Acquired, Contended, Held, Lock, Outcome, Record, Unavailable, new_token
+from ..lock.outcomes import Acquired, Contended, Held, Lock, Outcome, Record, Unavailable
 from ..lock.owner import Owner, claim_prefix, describe_holder
 from ..lock.redlock import jittered
 from . import events
@@ -107,7 +107,9 @@ class Run:
         nesting, retries = self.attempt_rank
         owner = plan.owner_texts.text(request.id, retries, nesting, worker)
         key = self.runtime.redlock.key_for(resource)
-        self.lock = Lock(resource, key, new_token(), validity=0.0, ttl=plan.ttl, owner=owner)
+        self.lock = Lock(
+            resource, key, self.runtime.tokens.new(), validity=0.0, ttl=plan.ttl, owner=owner
+        )
         self.record: Record | None = None  # checked by every attempt
         self.writes_record = False  # written by the release once the body ran
         completed_ttl = self.runtime.settings.completed_ttl

@@ -10,6 +10,7 @@ import logging
 from typing import Any
 
 from ..lock.keeper import LockKeeper
+from ..lock.outcomes import Tokens
 from ..lock.redlock import from_settings
 from ..settings import RedlockSettings, even_node_warning, has_password, redact_url
 
@@ -25,6 +26,7 @@ class AppRuntime:
         self.settings = settings
         self.redlock = from_settings(settings)
         self.keeper = LockKeeper(self.redlock)
+        self.tokens = Tokens()  # the runs' tokens
         self._nodes_checked = False
 
     @staticmethod

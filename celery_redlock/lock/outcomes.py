@@ -6,6 +6,8 @@ caller's rank)."""
 
 from __future__ import annotations
 
+import collections
+import os
 import secrets
 import time
 from collections.abc import Sequence
@@ -15,11 +17,37 @@ from ..errors import QuorumUnavailable
 from .owner import lock_value, owner_text_of
 
 TOKEN_BYTES = 20
+TOKENS_PER_DRAW = 64
 
 
 def new_token() -> str:
     """A fresh lock token: 20 random bytes from `secrets`, as hex (never contains ``|``)."""
     return secrets.token_hex(TOKEN_BYTES)
+
+
+class Tokens:
+    """Fresh lock tokens for the runs of one process, as `new_token` makes them, drawn from
+    `secrets` `TOKENS_PER_DRAW` at a time: each draw is a ``getrandom`` call, which gives up the
+    GIL, and with many threads every call that does hands the interpreter to another thread. A
+    forked child never takes a token its parent drew."""
+
+    def __init__(self) -> None:
+        self._drawn: tuple[int, collections.deque[str]] = (-1, collections.deque())
+
+    def new(self) -> str:
+        """A token no other call of this process or of another returns."""
+        pid, drawn = self._drawn
+        if pid != os.getpid():
+            drawn = collections.deque()
+            self._drawn = (os.getpid(), drawn)
+        try:
+            return drawn.popleft()  # atomic: threads share the draw without a lock
+        except IndexError:
+            text = secrets.token_hex(TOKEN_BYTES * TOKENS_PER_DRAW)
+            width = 2 * TOKEN_BYTES
+            fresh = [text[start : start + width] for start in range(0, len(text), width)]
+            drawn.extend(fresh[1:])
+            return fresh[0]
 
 
 @dataclass(slots=True)

@@ -36,10 +36,10 @@ from .outcomes import (
     Lock,
     Outcome,
     Record,
+    Tokens,
     Unavailable,
     copies_agree,
     majority_holder,
-    new_token,
 )
 from .owner import lock_value
 from .replies import acquire_judge, copies_in, is_integer, judge_copy, judge_one, judge_zero_or_one
@@ -126,6 +126,7 @@ class Redlock:
         self._legacy_layout = not any(isinstance(node, ClusterNode) for node in members)
         self._holds_legacy = self._legacy_layout and settings.legacy_layout
         self._checked_ttl: float | None = None
+        self._tokens = Tokens()
 
     @property
     def nodes(self) -> list[LockNode]:
@@ -174,7 +175,7 @@ class Redlock:
         """
         key = self._checked_key(resource, ttl)
         acquisition = Acquisition(
-            resource, key, ttl, owner, token or new_token(), replaces, record, rounds
+            resource, key, ttl, owner, token or self._tokens.new(), replaces, record, rounds
         )
         if wait == 0:
             return self._attempt_at(acquisition)
