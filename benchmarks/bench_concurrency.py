@@ -221,6 +221,21 @@ class Sample:
     seconds: float
     cpu_seconds: float
     connections: list[int] | None = None
+    node_cpu_seconds: list[float] = field(default_factory=list)  # per lock node, over the run
+
+    @property
+    def node_cpu_us_per_pair(self) -> float | None:
+        """CPU microseconds of the lock nodes together per successful pair."""
+        if not self.node_cpu_seconds or not self.successes:
+            return None
+        return sum(self.node_cpu_seconds) / self.successes * 1e6
+
+    @property
+    def busiest_node_share(self) -> float | None:
+        """The busiest lock node's CPU over the run, as a share of one core (1.0: saturated)."""
+        if not self.node_cpu_seconds or self.seconds <= 0:
+            return None
+        return max(self.node_cpu_seconds) / self.seconds
 
     @property
     def successes(self) -> int:
@@ -632,8 +647,18 @@ class ProcessCase:
         """Nothing: each run's subprocesses are gone when the run returns."""
 
 
-def measure(cases: Sequence[Case], rounds: int, seconds: float) -> None:
-    """Warm every case up, then ``rounds`` rounds of every case once, rotated every round."""
+def node_cpu_seconds(observers: Sequence[Any]) -> list[float]:
+    """``used_cpu_sys + used_cpu_user`` of each node, from ``INFO cpu``."""
+    seconds = []
+    for observer in observers:
+        cpu = observer.info("cpu")
+        seconds.append(float(cpu["used_cpu_sys"]) + float(cpu["used_cpu_user"]))
+    return seconds
+
+
+def measure(cases: Sequence[Case], rounds: int, seconds: float, observers: Sequence[Any]) -> None:
+    """Warm every case up, then ``rounds`` rounds of every case once, rotated every round;
+    each run with the CPU its lock nodes spent (``observers``: a client per node)."""
     began = time.monotonic()
     for case in cases:
         case.warm_up()
@@ -649,7 +674,12 @@ def measure(cases: Sequence[Case], rounds: int, seconds: float) -> None:
         if round_index % 2:
             order.reverse()
         for case in order:
+            nodes_before = node_cpu_seconds(observers[: case.nodes])
             sample = case.run(seconds)
+            nodes_after = node_cpu_seconds(observers[: case.nodes])
+            sample.node_cpu_seconds = [
+                after - before for before, after in zip(nodes_before, nodes_after, strict=True)
+            ]
             case.samples.append(sample)
             failures = f", {sample.failures} failed" if sample.failures else ""
             print(
@@ -942,11 +972,14 @@ def markdown(results: Results) -> str:
         f"medians over rounds (min - max); distinct lock names; per-node timeout "
         f"{NODE_TIMEOUT * 1000:g} ms, no redis-py retries, lock ttl {LOCK_TTL:g} s. Only "
         "successful pairs (acquired, release confirmed) count; client CPU is the measuring "
-        "process's CPU time (all threads) per call.",
+        "process's CPU time (all threads) per call; lock nodes' CPU is `used_cpu_sys + "
+        "used_cpu_user` of `INFO cpu`, after minus before, of the nodes together per pair, and "
+        "of the busiest node as a share of one core (100%: that node is saturated).",
         "",
         "| library | nodes | concurrency | pairs/s | min - max | x own 1 thread "
-        "| x redis-py Lock, same concurrency | client CPU µs/call | failures |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---|",
+        "| x redis-py Lock, same concurrency | client CPU µs/call | nodes CPU µs/pair "
+        "| busiest node CPU | failures |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for case in results.cases:
         if not case.samples:
@@ -963,6 +996,18 @@ def markdown(results: Results) -> str:
             sample.cpu_us_per_call for sample in case.samples if sample.cpu_us_per_call is not None
         ]
         cpu = f"{statistics.median(cpu_values):,.0f}" if cpu_values else "—"
+        node_values = [
+            sample.node_cpu_us_per_pair
+            for sample in case.samples
+            if sample.node_cpu_us_per_pair is not None
+        ]
+        node_cpu = f"{statistics.median(node_values):,.0f}" if node_values else "—"
+        shares = [
+            sample.busiest_node_share
+            for sample in case.samples
+            if sample.busiest_node_share is not None
+        ]
+        busiest = f"{statistics.median(shares):.0%}" if shares else "—"
         failures = Counter[str]()
         for sample in case.samples:
             failures.update(
@@ -972,7 +1017,7 @@ def markdown(results: Results) -> str:
         lines.append(
             f"| {case.library.name} | {case.nodes} | {case.mode} | {median:,.0f} "
             f"| {min(rates):,.0f} - {max(rates):,.0f} | {own} | {versus} | {cpu} "
-            f"| {failed or 'none'} |"
+            f"| {node_cpu} | {busiest} | {failed or 'none'} |"
         )
     lines += [
         "",
@@ -1157,7 +1202,7 @@ def run(arguments: argparse.Namespace) -> Results:
                         )
                     )
         try:
-            measure(cases, arguments.rounds, arguments.seconds)
+            measure(cases, arguments.rounds, arguments.seconds, observers)
         finally:
             for case in cases:
                 case.close()
@@ -1225,6 +1270,7 @@ def to_json(results: Results) -> str:
                         "cpu_seconds": sample.cpu_seconds,
                         "outcomes": dict(sample.outcomes),
                         "connections": sample.connections,
+                        "node_cpu_seconds": sample.node_cpu_seconds,
                     }
                     for sample in case.samples
                 ],
