@@ -326,6 +326,14 @@ def test_lock_args_of_a_bound_task_name_caller_parameters_only() -> None:
     assert task.lock_args == ("account_id",)
 
 
+def test_the_app_given_by_position_is_refused_with_the_fix() -> None:
+    app = Celery("by_position", broker="redis://127.0.0.1:1/0", set_as_current=False)
+    with pytest.raises(ConfigurationError, match=r"singleton_task\(app=app"):
+        singleton_task(app)(_account_body)
+    with pytest.raises(ConfigurationError, match="only positional argument"):
+        singleton_task(_account_body, _account_body)
+
+
 def test_base_must_be_a_singleton_task() -> None:
     app = Celery("bad_base", broker="redis://127.0.0.1:1/0", set_as_current=False)
     with pytest.raises(ConfigurationError, match="SingletonTask"):

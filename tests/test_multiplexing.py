@@ -634,7 +634,6 @@ def test_a_fork_while_threads_read_and_write_does_not_hang_the_child(
     assert hammered == []
 
 
-
 @pytest.mark.filterwarnings(FORK_WARNING)
 def test_no_token_is_taken_twice_by_threads_or_by_a_forked_child(one_node: RedisNodes) -> None:
     # Tokens are drawn from `secrets` many at a time: the first acquisition leaves the rest of

@@ -153,6 +153,13 @@ def singleton_task(*args: Any, app: Any = None, **options: Any) -> Any:
     Works bare (``@singleton_task``) and with options; every Celery task option passes through,
     and the lock options (``lock_ttl``, ``lock_args``, ``on_duplicate``, ...) are accepted too.
     """
+    if args and (len(args) > 1 or not callable(args[0])):
+        shown = ", ".join(repr(argument) for argument in args)
+        raise ConfigurationError(
+            f"singleton_task({shown}): the only positional argument it takes is the task "
+            "function (@singleton_task); give the app and the options by name, e.g. "
+            "@singleton_task(app=app, lock_ttl=60)"
+        )
     base = options.setdefault("base", SingletonTask)
     if not (isinstance(base, type) and issubclass(base, SingletonTask)):
         raise ConfigurationError(
