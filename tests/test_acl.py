@@ -46,7 +46,7 @@ from topologies import RedisCluster
 from celery_redlock import Redlock, admin, singleton_task
 from celery_redlock.beat import LeaderScheduler
 from celery_redlock.lock import keyspace
-from celery_redlock.lock.outcomes import Acquired, Covered, Record, new_token
+from celery_redlock.lock.outcomes import Acquired, Covered, Record, Tokens
 from celery_redlock.lock.owner import Owner
 from celery_redlock.lock.redlock import from_settings, reservation_of, reserve
 from celery_redlock.settings import RedlockSettings
@@ -56,6 +56,8 @@ from celery_redlock.testing import (
     find_redis_server,
     find_valkey_server,
 )
+
+TOKENS = Tokens()  # fresh lock tokens, as the package draws them
 
 REPOSITORY = Path(__file__).resolve().parent.parent
 PARAGRAPH = "**TLS, passwords, ACL users.**"
@@ -393,7 +395,7 @@ def test_the_lock_core_heals_reserves_and_records_as_the_acl_user(acl_nodes: Acl
         assert acl_nodes.values(lock.key) == [lock.value] * 3
         assert acl_nodes.values(keyspace.fence_key(lock.key))[0] == str(lock.fencing_token)
 
-        reserved = reserve(redlock, "acl:core", 10, "next", token=new_token())
+        reserved = reserve(redlock, "acl:core", 10, "next", token=TOKENS.new())
         assert isinstance(reserved, Acquired)
         reservation = reservation_of(redlock, "acl:core")
         assert reservation is not None and reservation.holder == "next"

@@ -24,10 +24,11 @@ from cli_support import FAST, as_json, invoke, run_celery
 from fake_resp import FakeRedisServer, Reply, always
 
 from celery_redlock import QuorumUnavailable, admin
+from celery_redlock.lock.outcomes import Tokens
 from celery_redlock.lock.owner import Owner, lock_value
-from celery_redlock.lock.redlock import new_token
 from celery_redlock.testing import RedisNodes, RedisServer
 
+TOKENS = Tokens()  # fresh lock tokens, as the package draws them
 HOST = socket.gethostname()
 TIMEOUT = 0.3
 TASK = "cli_app.sync_account"
@@ -67,7 +68,7 @@ def dead_pid() -> int:
 def put_lock(servers: list[RedisServer], key: str, owner: Owner, **client_options: Any) -> str:
     """Store a lock value for ``owner`` at ``key`` on ``servers`` (as an acquisition would);
     returns the stored value."""
-    value = lock_value(new_token(), owner.to_text())
+    value = lock_value(TOKENS.new(), owner.to_text())
     for server in servers:
         with server.client(**client_options) as client:
             client.set(key, value, px=30_000)

@@ -18,12 +18,13 @@ from redlock_support import values_on
 
 from celery_redlock import Redlock, admin
 from celery_redlock.lock import keyspace, scripts
-from celery_redlock.lock.outcomes import new_token
+from celery_redlock.lock.outcomes import Tokens
 from celery_redlock.lock.owner import Owner, lock_value, run_prefix
 from celery_redlock.lock.redlock import release_if_owner
 from celery_redlock.settings import RedlockSettings
 from celery_redlock.testing import RedisNodes
 
+TOKENS = Tokens()  # fresh lock tokens, as the package draws them
 PREFIX = RedlockSettings.key_prefix
 TASK = "cli_app.sync_account"
 NOT_A_LOCK_VALUE = "its value is not a lock token"
@@ -123,7 +124,7 @@ def test_a_node_whose_copy_is_not_a_lock_keeps_it(three_nodes: RedisNodes) -> No
     the third refuses, atomically, though the key was found to be a lock."""
     app = create_app(three_nodes.urls)
     key = admin.lock_key(app, TASK, 2)
-    set_on(three_nodes, key, lock_value(new_token(), Owner.here(TASK, "run-2").to_text()), (0, 1))
+    set_on(three_nodes, key, lock_value(TOKENS.new(), Owner.here(TASK, "run-2").to_text()), (0, 1))
     set_on(three_nodes, key, "important", (2,))
 
     result = admin.force_release(app, key, timeout=0.3)
@@ -166,8 +167,8 @@ def test_the_scripts_check_the_value_themselves(three_nodes: RedisNodes) -> None
     RELEASE_IF_OWNER delete only lock values, and a key of another type is no error."""
     app = create_app(three_nodes.urls)
     owner = Owner.here(TASK, "run-3")
-    lock = lock_value(new_token(), owner.to_text())
-    token_only = new_token()
+    lock = lock_value(TOKENS.new(), owner.to_text())
+    token_only = TOKENS.new()
     cases = {
         "a lock": (lock, 1),
         "a token alone": (token_only, 1),

@@ -49,10 +49,12 @@ from celery_redlock import Redlock
 from celery_redlock.errors import DuplicateSkipped
 from celery_redlock.lock import keyspace, scripts
 from celery_redlock.lock.nodes import NO_REPLY, NodeGroup, RoundResult, members_from_urls
-from celery_redlock.lock.outcomes import Acquisition, Lock, Outcome, new_token
+from celery_redlock.lock.outcomes import Acquisition, Lock, Outcome, Tokens
 from celery_redlock.lock.owner import lock_value
 from celery_redlock.lock.replies import acquire_judge, judge_copy, judge_zero_or_one
 from celery_redlock.testing import RedisNodes, RedisServer
+
+TOKENS = Tokens()  # fresh lock tokens, as the package draws them
 
 TESTS_DIRECTORY = Path(__file__).resolve().parent
 NODES_DIRECTORY = str(Path(celery_redlock.lock.nodes.__file__).resolve().parent)
@@ -228,7 +230,7 @@ def read_acquire_release(rounds: Rounds, values: dict[str, str], number: int) ->
     key = list(values)[number]
     result, wrong = rounds.read(key, values[key])
     lock = f"lock:{{{key}}}"
-    value = lock_value(new_token(), f"thread {number}")
+    value = lock_value(TOKENS.new(), f"thread {number}")
     acquired, wrong_token = rounds.acquire(lock, value)
     released, not_released = rounds.release(lock, value)
     return (
@@ -508,7 +510,9 @@ def test_a_fork_with_requests_in_flight_leaves_each_process_its_own_replies(
     # never read.
     rounds = Rounds(three_nodes, node_timeout=5.0)
     frozen, threads = three_nodes[0], 8
-    locks = {f"lock:{{parent-{n}}}": lock_value(new_token(), f"parent {n}") for n in range(threads)}
+    locks = {
+        f"lock:{{parent-{n}}}": lock_value(TOKENS.new(), f"parent {n}") for n in range(threads)
+    }
     rounds.full_cycle("before the fork")  # the parent's connections are open
     frozen.pause()
     parent_problems: list[str] = []
@@ -694,7 +698,7 @@ class Pipelining:
                 problems += wrong + missing(result, key, (1, 2))
             else:
                 lock = f"lock:{{{key}-{iteration}}}"
-                value = lock_value(new_token(), key)
+                value = lock_value(TOKENS.new(), key)
                 result, wrong = self.rounds.acquire(lock, value, every=False)
                 released, _ = self.rounds.release(lock, value, every=False)
                 problems += wrong

@@ -26,12 +26,13 @@ from celery_redlock.lock import keyspace, scripts
 from celery_redlock.lock.nodes import NO_REPLY, NodeGroup, RoundResult, members_from_urls
 from celery_redlock.lock.nodes import endpoint as endpoint_module
 from celery_redlock.lock.nodes.channel import Channel
-from celery_redlock.lock.outcomes import Acquired, new_token
+from celery_redlock.lock.outcomes import Acquired, Tokens
 from celery_redlock.lock.redlock import reservation_of, reserve
 from celery_redlock.lock.replies import judge_copy
 from celery_redlock.settings import RedlockSettings
 from celery_redlock.testing import RedisNodes
 
+TOKENS = Tokens()  # fresh lock tokens, as the package draws them
 STRESS_SECONDS = float(os.environ.get("REDLOCK_STRESS_SECONDS", "8"))
 
 
@@ -287,7 +288,7 @@ def test_a_lock_on_a_majority_is_named_every_time_and_one_on_a_minority_never(
                 outcome = redlock.attempt(resource, 30, "worker-A")
                 key, ask = redlock.key_for(resource), redlock.holder_of
             else:
-                outcome = reserve(redlock, resource, 30, "worker-A", token=new_token())
+                outcome = reserve(redlock, resource, 30, "worker-A", token=TOKENS.new())
                 key = keyspace.reservation_key(redlock.key_for(resource))
                 ask = functools.partial(reservation_of, redlock)
             assert isinstance(outcome, Acquired), outcome

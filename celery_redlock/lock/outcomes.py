@@ -20,16 +20,11 @@ TOKEN_BYTES = 20
 TOKENS_PER_DRAW = 64
 
 
-def new_token() -> str:
-    """A fresh lock token: 20 random bytes from `secrets`, as hex (never contains ``|``)."""
-    return secrets.token_hex(TOKEN_BYTES)
-
-
 class Tokens:
-    """Fresh lock tokens for the runs of one process, as `new_token` makes them, drawn from
-    `secrets` `TOKENS_PER_DRAW` at a time: each draw is a ``getrandom`` call, which gives up the
-    GIL, and with many threads every call that does hands the interpreter to another thread. A
-    forked child never takes a token its parent drew."""
+    """Fresh lock tokens for the runs of one process: `TOKEN_BYTES` random bytes from `secrets`,
+    as hex (never contains ``|``), drawn `TOKENS_PER_DRAW` at a time: each draw is a
+    ``getrandom`` call, which gives up the GIL, and with many threads every call that does hands
+    the interpreter to another thread. A forked child never takes a token its parent drew."""
 
     def __init__(self) -> None:
         self._drawn: tuple[int, collections.deque[str]] = (-1, collections.deque())
