@@ -169,10 +169,20 @@ def test_fleet_under_lock_node_faults(redis_nodes: MakeRedisNodes) -> None:
         for index in (0, 1, 2):
             locks[index].pause()
         fleet.wave("d", copies=2, seconds=0.5)
-        time.sleep(3.0)
+        # At least 3 s, and until a run has met the outage: on a loaded host the first slot may
+        # free up (and try a lock) later than that.
+        paused_at = fleet.times["majority paused"]
+        noticed = wait_until(
+            lambda: any(u["at"] >= paused_at for u in recorder.read("unavailable")),
+            timeout=30,
+            interval=0.1,
+            alive=workers,
+        )
+        time.sleep(max(0.0, paused_at + 3.0 - time.time()))
         for index in (0, 1, 2):
             locks[index].resume()
         fleet.mark("majority resumed")
+        assert noticed, "no run met the majority outage within 30 s"
 
         # Everything but the killed run finishes; then one ttl later no lock is left.
         expected = set(fleet.submissions) - {victim.id}
