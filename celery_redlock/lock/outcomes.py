@@ -21,7 +21,7 @@ TOKENS_PER_DRAW = 64
 
 
 class Tokens:
-    """Fresh lock tokens for the runs of one process: `TOKEN_BYTES` random bytes from `secrets`,
+    """Fresh lock tokens, for one process at a time: `TOKEN_BYTES` random bytes from `secrets`,
     as hex (never contains ``|``), drawn `TOKENS_PER_DRAW` at a time: each draw is a
     ``getrandom`` call, which gives up the GIL, and with many threads every call that does hands
     the interpreter to another thread. A forked child never takes a token its parent drew."""
@@ -30,7 +30,8 @@ class Tokens:
         self._drawn: tuple[int, collections.deque[str]] = (-1, collections.deque())
 
     def new(self) -> str:
-        """A token no other call of this process or of another returns."""
+        """A fresh token (160 random bits: no other call, here or in another process, returns it
+        but by chance)."""
         pid, drawn = self._drawn
         if pid != os.getpid():
             drawn = collections.deque()
