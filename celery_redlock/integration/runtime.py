@@ -30,12 +30,6 @@ class AppRuntime:
         self._nodes_checked = False
 
     @staticmethod
-    def installed(app: Any) -> AppRuntime | None:
-        """The runtime ``app`` holds now, or None before its first use."""
-        runtime: AppRuntime | None = app.__dict__.get(RUNTIME_ATTRIBUTE)
-        return runtime
-
-    @staticmethod
     def install(app: Any, runtime: AppRuntime | None) -> AppRuntime | None:
         """Give ``app`` this runtime (None: none, so the next use creates one from the app's
         settings); returns the one it replaced. For test harnesses that keep a runtime across
