@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -113,6 +114,10 @@ class Recorder:
                     self.url, decode_responses=True, socket_timeout=5, socket_connect_timeout=5
                 )
                 self._pid = os.getpid()
+                # A redis-py client is a reference cycle: left to the garbage collector, its
+                # socket may be finalized before the connection closes it (a ResourceWarning,
+                # an error in this suite). Closed when the recorder goes instead.
+                weakref.finalize(self, self._client.close)
             return self._client
 
     def add(self, stream: str, /, **entry: Any) -> None:
