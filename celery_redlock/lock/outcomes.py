@@ -32,10 +32,11 @@ class Tokens:
     def new(self) -> str:
         """A fresh token (160 random bits: no other call, here or in another process, returns it
         but by chance)."""
+        here = os.getpid()
         pid, drawn = self._drawn
-        if pid != os.getpid():
+        if pid != here:
             drawn = collections.deque()
-            self._drawn = (os.getpid(), drawn)
+            self._drawn = (here, drawn)
         try:
             return drawn.popleft()  # atomic: threads share the draw without a lock
         except IndexError:
