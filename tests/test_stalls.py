@@ -386,3 +386,40 @@ def test_a_node_whose_clean_up_is_on_its_way_for_too_long_is_skipped(three_nodes
     values = [value_on(server, key) for server in three_nodes]
     assert values == [outcome.lock.value, other, outcome.lock.value]
     assert dlm.release(outcome.lock)
+
+
+def test_clean_ups_owed_from_many_threads_while_a_round_forgives_some(one_node):
+    # Rounds owe clean-ups to a backed-off server from any thread (the reader too) while another
+    # round, about to set its value, drops those owed for it: neither may see the other's half
+    # done work (an acquisition once failed on "deque mutated during iteration").
+    endpoint = Endpoint.from_url(one_node.urls[0], node_timeout=NODE_TIMEOUT)
+    endpoint.mark_down(time.monotonic(), "backed off for the test")
+    until = time.monotonic() + 60.0
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def owe(number: int) -> None:
+        try:
+            count = 0
+            while not stop.is_set():
+                count += 1
+                endpoint.owe(pack_command("ECHO", f"owed-{number}-{count % 50}"), until)
+        except BaseException as error:
+            errors.append(error)
+            raise
+
+    threads = [threading.Thread(target=owe, args=(number,), daemon=True) for number in range(3)]
+    for thread in threads:
+        thread.start()
+    try:
+        deadline = time.monotonic() + 1.5
+        forgiven = 0
+        while time.monotonic() < deadline and not errors:
+            endpoint.forgive(f"owed-0-{forgiven % 50}".encode())
+            forgiven += 1
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=10)
+    assert errors == []
+    assert forgiven > 0

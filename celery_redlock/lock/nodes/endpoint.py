@@ -307,10 +307,11 @@ class Endpoint:
         server once it answers again, unless the monotonic clock has passed ``until`` by then
         (what it removes has expired). For a clean-up the server was not sent, or whose reply
         never came: the server may still run what it was sent before."""
-        owed = self._owed
-        if len(owed) >= MAX_OWED:
-            owed.popleft()
-        owed.append((until, packed))
+        with self._debts():  # `forgive` may be going through them in another thread
+            owed = self._owed
+            if len(owed) >= MAX_OWED:
+                owed.popleft()
+            owed.append((until, packed))
         self._start_probe()
 
     def forgive(self, value: bytes) -> None:
@@ -360,10 +361,11 @@ class Endpoint:
         return self._debts_guard
 
     def _still_owed(self, now: float) -> bool:
-        owed = self._owed
-        while owed and owed[0][0] <= now:
-            owed.popleft()  # roughly in order of expiry: enough to end the probing
-        return bool(owed)
+        with self._debts():
+            owed = self._owed
+            while owed and owed[0][0] <= now:
+                owed.popleft()  # roughly in order of expiry: enough to end the probing
+            return bool(owed)
 
     def _pay(self, connection: AbstractConnection) -> None:
         """Send every clean-up still needed on ``connection`` (a new one, which the server reads
