@@ -291,10 +291,15 @@ class Channel:
 
     def _connect_locked(self) -> None:
         sock = self.endpoint.open_socket()
-        # Non-blocking from here on: reads follow a poll, and a write that does not fit in the
-        # socket's buffer means the server stopped reading (hung), which fails the connection.
-        sock.setblocking(False)
-        self.socket = sock
+        try:
+            # Non-blocking from here on: reads follow a poll, and a write that does not fit in
+            # the socket's buffer means the server stopped reading (hung): the connection fails.
+            sock.setblocking(False)
+            self.socket = sock
+        except BaseException:  # interrupted (a signal handler raising) before it was taken
+            if self.socket is not sock:
+                sock.close()
+            raise
         self.generation += 1
         self._parser = new_reply_parser()
         if self.greeting:

@@ -213,11 +213,17 @@ class Endpoint:
         """A new connected, authenticated socket (TLS already negotiated), in blocking mode with
         the node timeout. Raises redis-py's errors or `OSError`."""
         connection = self.connection_class(**self.options)
-        connection.connect()
-        # The one place the package takes redis-py's socket: the connection did the handshake
-        # (AUTH, SELECT, TLS); the nodes layer reads and writes the socket itself from here on.
         taken: Any = connection
-        sock: socket.socket = taken._sock
+        try:
+            connection.connect()
+            # The one place the package takes redis-py's socket: the connection did the
+            # handshake (AUTH, SELECT, TLS); the nodes layer reads and writes it from here on.
+            sock: socket.socket = taken._sock
+        except BaseException:
+            # redis-py closes it on its own errors only: one interrupted (a signal handler
+            # raising: a soft time limit) is closed here, not left to the garbage collector.
+            connection.disconnect()
+            raise
         taken._sock = None
         return sock
 
