@@ -26,7 +26,6 @@ from .members import LockNode
 from .reactor import Connections, Waiting
 from .round import Judge, Members, Round, RoundResult, ScriptHeads, patience
 from .subscriber import Subscriber
-from .unattended import Unattended
 
 logger = logging.getLogger(__name__)
 
@@ -101,12 +100,12 @@ class NodeGroup:
         """
         members = Members(self.nodes, self.node_timeout, self.connections(), self.script_head)
         owed_until = time.monotonic() + owed_for if owed_for > 0 else 0.0
+        round_ = Round(members, script, keys, arguments, judge, every, grants, owed_until, wait)
         if not wait:
-            Unattended(members, script, judge, keys, arguments, owed_until).send()
+            round_.start()
             return RoundResult([], 0, 0, time.monotonic(), [])
-        round_ = Round(members, script, keys, arguments, judge, every, grants, owed_until)
         try:
-            round_.start(wait)
+            round_.start()
             round_.collect()
         except BaseException:
             # Interrupted (a soft time limit, a signal) between sending and deciding: callers

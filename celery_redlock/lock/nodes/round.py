@@ -2,7 +2,12 @@
 (`Round`). Its latency is that of the quorum-th fastest member; each member is bounded by
 ``node_timeout``; a member whose key moved is followed (MOVED, ASK), a server that lost its
 scripts gets the source (NOSCRIPT); a reply that is an error, or one the script cannot give,
-counts as no answer and backs the server off."""
+counts as no answer and backs the server off.
+
+A round nobody waits for (``attended=False``: a release at the end of a task run, the clean-up of
+an attempt that failed) is only sent; its replies are read by whichever thread reads next and
+checked then, the same way, and a key that moved is followed from there. A server that is backed
+off, or gives no reply, is owed a clean-up (`Endpoint.owe`): it gets it once it answers again."""
 
 from __future__ import annotations
 
@@ -119,10 +124,12 @@ class Round(Waiting):
         every: bool,
         grants: bool,
         owed_until: float = 0.0,
+        attended: bool = True,
     ) -> None:
         """``owed_until``: for a clean-up (an owner-checked delete), the monotonic time until
         which what it removes may live; a member that does not answer it is owed it
-        (`Endpoint.owe`) until then."""
+        (`Endpoint.owe`) until then. ``attended=False``: nobody waits for the replies (see the
+        module docstring)."""
         super().__init__()
         self.nodes = nodes = members.nodes
         self.node_timeout = members.node_timeout
@@ -136,6 +143,10 @@ class Round(Waiting):
         self.every = every
         self.grants = grants  # a grant that must reach the replicas of members that wait for them
         self.owed_until = owed_until
+        self.attended = attended
+        # Scripts marked inline (releases), and every call nobody waits for, carry their source:
+        # a NOSCRIPT that arrives after the round decided, or unattended, would go unanswered.
+        self.by_source = script.inline or not attended
         count = len(nodes)
         self.replies: list[Any] = [NO_REPLY] * count
         self.why_not: list[str | None] = ["not asked"] * count
@@ -154,13 +165,11 @@ class Round(Waiting):
 
     # -- sending -----------------------------------------------------------------------------
 
-    def start(self, wait: bool) -> None:
+    def start(self) -> None:
         """Send to every member that is not backed off. When those are too few for a quorum,
         give the members being probed (in parallel) one node_timeout and take in those that
-        answered."""
-        # Scripts marked inline (releases) carry their source: a restarted server answering a
-        # release after its round decided would send a NOSCRIPT nobody reads.
-        packed = self._packed(by_source=self.script.inline)
+        answered (an attended round only)."""
+        packed = self._packed(by_source=self.by_source)
         now = time.monotonic()
         self.outstanding = len(self.nodes)  # before any slot is sent: nobody delivers yet
         skipped: list[tuple[int, LockNode, Endpoint | None]] = []
@@ -173,7 +182,7 @@ class Round(Waiting):
                 lateness.append(endpoint.lateness)
                 self._send(index, node, endpoint, packed, asking=False)
         if skipped:
-            self._skip(skipped, packed, wait)
+            self._skip(skipped, packed)
         self.patience = patience(self.node_timeout, lateness, self.quorum)
         self.deadline = time.monotonic() + self.patience
 
@@ -188,9 +197,7 @@ class Round(Waiting):
         if self.owed_until:
             endpoint.owe(self._packed(by_source=True), self.owed_until)
 
-    def _skip(
-        self, skipped: list[tuple[int, LockNode, Endpoint | None]], packed: bytes, wait: bool
-    ) -> None:
+    def _skip(self, skipped: list[tuple[int, LockNode, Endpoint | None]], packed: bytes) -> None:
         """Members that are backed off get no command; when too few others are left for a
         quorum, those being probed are waited for (one node_timeout) and taken in if up."""
         reactor = self.connections.reactor
@@ -208,7 +215,7 @@ class Round(Waiting):
             if endpoint is not None and endpoint.probing
         ]
         sent = sum(call is not None for call in self.calls)
-        if not (wait and probing and sent < self.quorum):
+        if not (self.attended and probing and sent < self.quorum):
             return
         until = time.monotonic() + self.node_timeout
         for _, _, endpoint in probing:
@@ -259,7 +266,7 @@ class Round(Waiting):
 
     # -- replies (with the reactor's lock held) ----------------------------------------------
 
-    def deliver(self, slot: Slot) -> None:
+    def deliver(self, slot: Slot) -> Callable[[], object] | None:
         call: NodeCall = slot.tag
         if self.calls[call.index] is not call or not all(each.done for each in call.slots):
             return None  # a superseded call, or the rest of its replies is still to come
@@ -275,6 +282,8 @@ class Round(Waiting):
             and self.follow_ups_left[call.index] > 0
         ):
             self.follow_ups_left[call.index] -= 1
+            if not self.attended:  # followed by the reader, once the reactor's lock is free
+                return lambda: self._follow(call, reply)
             self.follow_ups.append((call, call.main))
             self.call_attention()
             return None
@@ -409,7 +418,7 @@ class Round(Waiting):
             # script can span. The script runs on the lock key alone, wherever that lives now.
             endpoint = node.endpoint_for(self.key)
             if endpoint is not None:
-                packed = self._packed(by_source=self.script.inline, alone=True)
+                packed = self._packed(by_source=self.by_source, alone=True)
                 self._send(index, node, endpoint, packed, asking=False, alone=True)
                 return
             redirect = None
@@ -419,7 +428,7 @@ class Round(Waiting):
             with self.connections.reactor.lock:
                 self._take(call)
             return
-        packed = self._packed(by_source=self.script.inline, alone=alone)
+        packed = self._packed(by_source=self.by_source, alone=alone)
         self._send(index, node, redirect.endpoint, packed, asking=redirect.asking, alone=alone)
 
     def _time_out(self) -> None:
