@@ -1,11 +1,7 @@
-"""``celery redlock``: `celery_redlock.admin` on the command line (``status``, ``list``, ``key``,
-``release``, ``reap``), registered through Celery's ``celery.commands`` entry point.
-
-This module only parses arguments, calls `celery_redlock.admin` and prints what it returns, for
-people or (``--json``) for scripts. Every subcommand takes ``--timeout`` (seconds per node and
-command) and exits with status 1 when fewer than a majority of lock nodes answer (``release``
-also when the key is not a lock). A node that misbehaves is a line of output; no error prints a
-traceback, only a one-line reason. Lock tokens are never printed: they are what allows a release.
+"""``celery redlock`` (Celery's ``celery.commands`` entry point): `celery_redlock.admin` on the
+command line, printed for people or (``--json``) for scripts. Every subcommand exits with status
+1 when fewer than a majority of lock nodes answer; no error prints a traceback; lock tokens are
+never printed.
 """
 
 from __future__ import annotations
@@ -17,7 +13,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 
@@ -27,31 +23,27 @@ from .errors import ConfigurationError, QuorumUnavailable, RedlockError
 
 @dataclass(frozen=True)
 class Session:
-    """The app from ``celery -A``, and how to print: JSON or for people, in colour or not."""
+    """The app from ``celery -A``, and how to print."""
 
     app: Any
     as_json: bool
     styled: bool
 
     def emit(self, data: dict[str, Any], human: Callable[[], None]) -> None:
-        """Print ``data`` as JSON with ``--json``, else run ``human`` to print it for people."""
         if self.as_json:
             click.echo(json.dumps(data, indent=2, default=str))
         else:
             human()
 
     def style(self, text: str, **options: Any) -> str:
-        """``text`` in colour, unless colours are off (``celery --no-color``)."""
         return click.style(text, **options) if self.styled else text
 
     def echo_unreachable(self, unreachable: Sequence[admin.NodeError]) -> None:
-        """One line per node that did not answer."""
         for node in unreachable:
             click.echo(self.style(f"  unreachable: {node.node} ({node.error})", fg="red"))
 
 
-def fail(message: str) -> None:
-    """Print ``message`` on stderr and exit with status 1 (after the output)."""
+def fail(message: str) -> NoReturn:
     click.echo(f"Error: {message}", err=True)
     raise SystemExit(1)
 
@@ -60,7 +52,6 @@ Answers = admin.StatusReport | admin.LockListing | admin.ReleaseResult
 
 
 def fail_without_quorum(answers: Answers, doing: str) -> None:
-    """Exit with status 1 when fewer than a majority of nodes answered."""
     if not answers.has_quorum:
         total, unreachable = answers.nodes_total, answers.unreachable
         fail(
@@ -72,8 +63,8 @@ def fail_without_quorum(answers: Answers, doing: str) -> None:
 
 @contextlib.contextmanager
 def session(context: click.Context, as_json: bool) -> Iterator[Session]:
-    """The command's `Session`, with the library's log lines held back (the command reports
-    what matters itself) and its errors turned into command-line errors."""
+    """The command's `Session`, the library's log lines held back and its errors turned into
+    one-line command-line errors."""
     app = getattr(context.obj, "app", None)
     if app is None:
         raise click.UsageError("no Celery app: run this as `celery -A proj redlock ...`")
@@ -89,20 +80,14 @@ def session(context: click.Context, as_json: bool) -> Iterator[Session]:
     except (RedlockError, ValueError) as error:
         raise click.ClickException(str(error)) from error
     except Exception as error:  # an operator gets one line, never a traceback
-        raise click.ClickException(
-            f"unexpected {type(error).__name__}: {one_line(str(error))} (please report this)"
-        ) from error
+        reason = " ".join(str(error).split())
+        name = type(error).__name__
+        raise click.ClickException(f"unexpected {name}: {reason} (please report this)") from error
     finally:
         logger.setLevel(level)
 
 
-def one_line(text: str) -> str:
-    """``text`` on one line (line breaks become spaces)."""
-    return " ".join(text.split())
-
-
 def common_options(command: Callable[..., Any]) -> Callable[..., Any]:
-    """``--json`` and ``--timeout``, shared by every subcommand."""
     command = click.option(
         "--timeout",
         type=click.FloatRange(min=0.001),
@@ -116,7 +101,6 @@ def common_options(command: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def echo_record(current: Session, record: admin.LockRecord) -> None:
-    """A lock for people: its key, then its holder and time left, never its token."""
     click.echo(current.style(record.key, bold=True) + ("" if record.held else "  (NOT held)"))
     if record.legacy_layout:
         click.echo(current.style(f"    layout    {admin.LEGACY_NOTE}", fg="yellow"))
@@ -209,9 +193,7 @@ def list_locks(
 
 
 def parse_call_arguments(texts: Sequence[str]) -> tuple[list[Any], dict[str, Any]]:
-    """Command-line words as a call: ``name=value`` is a keyword argument, anything else a
-    positional one; values are JSON when they parse (``42``, ``"x"``, ``{"a": 1}``), else text.
-    """
+    """Command-line words as a call: ``name=value`` a keyword argument, values JSON or text."""
     args: list[Any] = []
     kwargs: dict[str, Any] = {}
     for text in texts:
@@ -226,7 +208,6 @@ def parse_call_arguments(texts: Sequence[str]) -> tuple[list[Any], dict[str, Any
 
 
 def parse_value(text: str) -> Any:
-    """``text`` as JSON when it is JSON, else as the string itself."""
     try:
         return json.loads(text)
     except ValueError:
@@ -374,7 +355,6 @@ def reap(
             )
         except QuorumUnavailable as error:
             fail(f"{error}; nothing was reaped")
-            return
     freed = [result for result in results if result.action in (admin.FREED, admin.WOULD_FREE)]
     reports = [result.to_json() for result in results]
     data = {"dry_run": dry_run, "freed": len(freed), "results": reports}

@@ -1,10 +1,4 @@
-"""The locks themselves: which are held and by whom, the key a call locks, forced release.
-
-Key names come from `celery_redlock.lock.keyspace` only. A forced release deletes a key only
-when its name is a lock key and — checked atomically on each node, by `scripts.FORCE_RELEASE` in
-one round over the nodes that answered the read — its value there is a lock value; anything else
-is refused by name and left alone.
-"""
+"""The locks themselves: which are held and by whom, the key a call locks, forced release."""
 
 from __future__ import annotations
 
@@ -34,12 +28,10 @@ from .records import (
 )
 from .workers import with_worker_checks
 
-# -- the app's singleton tasks and the keys they lock ----------------------------------------
-
 
 def singleton_tasks(app: Any) -> dict[str, SingletonTask]:
     """The app's singleton tasks by name (its task modules imported first, unless a worker
-    did already; a module that fails to import contributes none)."""
+    did already)."""
     if not getattr(app.loader, "worker_initialized", False):
         with contextlib.suppress(Exception):  # tasks of a module that fails to import: not found
             app.loader.import_default_modules()
@@ -47,8 +39,7 @@ def singleton_tasks(app: Any) -> dict[str, SingletonTask]:
 
 
 def find_task(app: Any, name: str) -> SingletonTask:
-    """The app's singleton task ``name`` (its task modules imported first); `UnknownTask`, naming
-    close matches and the app's singleton tasks, when there is none."""
+    """The app's singleton task ``name``; `UnknownTask`, naming close matches, when none."""
     tasks = singleton_tasks(app)
     task = tasks.get(name)
     if task is not None:
@@ -84,9 +75,8 @@ def call_key(
     args: Sequence[Any] = (),
     kwargs: Mapping[str, Any] | None = None,
 ) -> CallKey:
-    """The lock a call of ``task_name`` with ``args`` and ``kwargs`` would take — the key the
-    worker computes (`SingletonTask.lock_key_for`). Raises `UnknownTask`, or `LockKeyError` when
-    the arguments do not fit the task's signature. Touches no node."""
+    """The lock a call of ``task_name`` would take (`SingletonTask.lock_key_for`); touches no
+    node. Raises `UnknownTask`, or `LockKeyError` when the arguments do not fit."""
     task = find_task(app, task_name)
     kwargs = dict(kwargs or {})
     resource = task.lock_plan.recipe.resource(tuple(args), kwargs)
@@ -101,9 +91,8 @@ def lock_key(app: Any, task_name: str, /, *args: Any, **kwargs: Any) -> str:
 
 
 def resolve_key(app: Any, key_or_resource: str) -> tuple[str, str]:
-    """``(key, resource)`` for a lock key (a lock's, or a lock's reservation, of today's layout
-    or of 0.2's) or a resource. Raises `NotALock` for any other key under the prefix: a fencing
-    counter, completion records, schedule records."""
+    """``(key, resource)`` for a lock key (0.2 layout too) or a resource; `NotALock` for any
+    other key under the prefix."""
     prefix = AppRuntime.for_app(app).settings.key_prefix
     resource = keyspace.resource_of(prefix, key_or_resource)
     if resource is None:
@@ -116,7 +105,6 @@ def resolve_key(app: Any, key_or_resource: str) -> tuple[str, str]:
 
 
 def what_key(prefix: str, key: str) -> str:
-    """What a key under ``prefix`` that is not a lock key is, in words."""
     example = keyspace.lock_key(prefix, "<resource>")
     if not key.startswith(prefix + "{"):
         return f"lock keys look like {example}"
@@ -129,9 +117,6 @@ def what_key(prefix: str, key: str) -> str:
     return f"lock keys look like {example}"
 
 
-# -- the locks held now ------------------------------------------------------------------------
-
-
 def lock_listing(
     app: Any,
     keys: Sequence[str] | None = None,
@@ -139,15 +124,10 @@ def lock_listing(
     check_workers: bool = False,
     timeout: float = DEFAULT_TIMEOUT,
 ) -> LockListing:
-    """The locks on the nodes (``keys``, or every lock key under the prefix), split into held
-    and minority leftovers, with the nodes that did not answer (or answered garbage). Never
-    raises for a node: check ``has_quorum``. ``check_workers`` fills ``worker_answers`` and
-    ``task_active`` (one control round trip to the holders' workers, about ``timeout``).
-
-    Only locks are listed: fencing counters, completion records, the beat leader's schedule
-    records, keys of other types and values celery_redlock never writes are left out. The beat
-    leader's lease is a lock whose owner has the role "beat leader".
-    """
+    """The locks under ``keys`` (None: every lock key), held and minority leftovers, with the
+    nodes that did not answer; never raises for a node: check ``has_quorum``. Only locks are
+    listed (the beat leader's lease has the owner role "beat leader"). ``check_workers`` fills
+    ``worker_answers`` and ``task_active`` (one control round trip, about ``timeout``)."""
     with LockReader(app, timeout) as reader:
         read = reader.read(keys)
     records = [entry.record for entry in read.found]
@@ -165,13 +145,9 @@ def lock_listing(
 def held_locks(
     app: Any, *, check_workers: bool = False, timeout: float = DEFAULT_TIMEOUT
 ) -> list[LockRecord]:
-    """The locks held now (the same value on a majority of nodes), sorted by key: task, task id,
-    worker, host, pid, attempt, since, time left, nodes holding — never the token.
-
-    Raises `QuorumUnavailable` when fewer than a majority of nodes answer (the answer would be
-    a guess). ``check_workers=True`` also asks each holder's worker whether it answers a ping
-    and runs the task (one control round trip, about ``timeout`` seconds).
-    """
+    """The locks held now (the same value on a majority of nodes), sorted by key, never the
+    token. Raises `QuorumUnavailable` without a majority of nodes; ``check_workers`` as for
+    `lock_listing`."""
     listing = lock_listing(app, check_workers=check_workers, timeout=timeout)
     require_quorum(listing, "*")
     return list(listing.locks)
@@ -184,22 +160,18 @@ def keys_of_lock(app: Any, key: str) -> list[str]:
 
 
 def require_quorum(listing: LockListing, resource: str) -> None:
-    """Raise `QuorumUnavailable` unless a majority of nodes answered ``listing``."""
     if not listing.has_quorum:
         raise QuorumUnavailable(resource, listing.reachable, listing.quorum)
 
 
 def holder(app: Any, task_name: str, /, *args: Any, **kwargs: Any) -> LockRecord | None:
-    """The record of whoever holds the lock a call ``task_name(*args, **kwargs)`` would take
-    (under its key, or a 0.2 worker under the key's 0.2 layout), or None when it is free.
-    Raises `QuorumUnavailable` when no majority of nodes answers."""
+    """The record of whoever holds the lock ``task_name(*args, **kwargs)`` would take (a 0.2
+    worker's too), or None; `QuorumUnavailable` without a majority of nodes."""
     key = lock_key(app, task_name, *args, **kwargs)
     listing = lock_listing(app, keys_of_lock(app, key))
     require_quorum(listing, key)
     return listing.locks[0] if listing.locks else None
 
-
-# -- forced release ------------------------------------------------------------------------------
 
 CANNOT_GIVE = f"a reply the {scripts.FORCE_RELEASE.name} script cannot give: "
 
@@ -207,13 +179,11 @@ CANNOT_GIVE = f"a reply the {scripts.FORCE_RELEASE.name} script cannot give: "
 def force_release(app: Any, key: str, *, timeout: float = DEFAULT_TIMEOUT) -> ReleaseResult:
     """Delete the lock ``key`` (a full key or a resource) on every node, whoever holds it.
 
-    For stuck locks: the holder, if still running, is not stopped, and another run can start at
-    once (waiters are woken). Only a lock is deleted: ``key`` must be a lock key (else
-    `NotALock`, nothing sent), and on each node the key must hold a lock value, checked
-    atomically there; a node where it holds anything else (another type, a value celery_redlock
-    never writes) is in ``refused`` and keeps it. Nothing is deleted when no reachable node has
-    a lock under the key. A copy on a node that does not answer (or answers garbage) stays until
-    its ttl; ``still_present_on`` names nodes that answered but still have it.
+    For stuck locks: a running holder is not stopped, and waiters are woken. ``key`` must be a
+    lock key (else `NotALock`, nothing sent), and each node deletes it only when it holds a lock
+    value (checked atomically; else in ``refused``); nothing when no reachable node has a lock
+    under it. A copy on a node that does not answer stays
+    until its ttl; ``still_present_on`` names nodes that answered but still have it.
     """
     full_key, resource = resolve_key(app, key)
     with LockReader(app, timeout) as reader:

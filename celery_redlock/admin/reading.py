@@ -1,18 +1,10 @@
 """Read the lock nodes: what every operators' command starts from.
 
-`LockReader.ask` puts one question to every node at once, a thread per node, over plain redis-py
-clients (`NodeReads`) for the reads that are no lock script: SCAN, GET and PTTL, PING, INFO,
-CONFIG GET. Scripts go through `NodeGroup` rounds, whose members follow ``MOVED`` and ``ASK`` and
-whose judges check every reply. Whatever a node does — no answer, error replies, replies no Redis
-server gives, bytes that are not RESP — ends as its one-line error (`NodeAnswer.error`), never as
-an exception; a command an ACL denies is named with the ``ACL SETUSER`` grant that allows it.
-
-`LockReader.read` reads lock keys — those named, or every one under the prefix (SCAN, never KEYS)
-— on every node (a Redis Cluster on every master, as one node). Only lock keys and lock values
-count (`keyspace.is_lock_key`, `is_lock_value`): fencing counters, records, other types and
-application values are never taken for locks. Locks of 0.2 workers (`keyspace.is_legacy_lock_key`)
-are found too unless a node is a cluster; a copy today's workers write at the 0.2 key is not
-listed twice.
+`LockReader.ask` puts one question to every node at once over plain redis-py clients
+(`NodeReads`: SCAN, GET, PTTL, PING, INFO, CONFIG GET); scripts go through `NodeGroup` rounds.
+Whatever a node does ends as its one-line error (`NodeAnswer.error`), never as an exception; an
+ACL denial is named with the ``ACL SETUSER`` grant that allows it. `LockReader.read` finds lock
+keys (SCAN, never KEYS) holding lock values only, 0.2-layout keys included unless on a cluster.
 """
 
 from __future__ import annotations
@@ -59,7 +51,7 @@ def is_lock_value(value: str) -> bool:
 
 
 class BadReply(Exception):
-    """A reply that no Redis server gives to that command: the node is broken, or not Redis."""
+    """A reply no Redis server gives to that command: the node is broken, or not Redis."""
 
     def __init__(self, command: str, reply: Any, expected: str) -> None:
         shown = repr(reply)
@@ -77,10 +69,8 @@ class NodeAnswer(Generic[Answer]):
 
 
 class NodeReads:
-    """One lock node's servers through plain redis-py clients, one per server, opened on first
-    use. Replies come as the server sent them (redis-py's reply parsing breaks on replies no
-    Redis server gives): callers check them. ``user`` is the ACL user the node's URL logs in as
-    (``<user>`` when it names none)."""
+    """One lock node's servers through raw redis-py clients (no reply parsing: callers check
+    replies); ``user`` is the ACL user its URL names (``<user>`` when none)."""
 
     def __init__(self, member: LockNode, timeout: float) -> None:
         self.member = member
@@ -91,27 +81,23 @@ class NodeReads:
         self._clients: dict[int, redis.Redis] = {}
 
     def servers(self) -> list[Endpoint]:
-        """Every server that holds the node's keys now (a cluster's masters; one otherwise).
-        Raises `ConnectionError` when the node cannot tell."""
+        """The servers holding the node's keys now (a cluster's masters)."""
         endpoints = self.member.endpoints()
         if not endpoints:
             raise ConnectionError(self.member.locating_error())
         return endpoints
 
     def server_for(self, key: str) -> Endpoint:
-        """The server that holds ``key`` now, by the node's own routing."""
         endpoint = self.member.endpoint_for(key)
         if endpoint is None:
             raise ConnectionError(self.member.locating_error())
         return endpoint
 
     def call(self, server: Endpoint, *arguments: str | int | bytes) -> Any:
-        """One command's reply from ``server``; an error reply raises `ResponseError`."""
         return self._client(server).execute_command(*arguments)
 
     def pipeline(self, server: Endpoint, commands: Sequence[Sequence[str | int]]) -> list[Any]:
-        """``commands`` sent to ``server`` in one write: their replies in order, an error reply
-        as a `ResponseError` in its place."""
+        """The replies to ``commands`` in order, an error reply as a `ResponseError`."""
         pipeline = self._client(server).pipeline(transaction=False)
         for command in commands:
             pipeline.execute_command(*command)
@@ -132,7 +118,6 @@ class NodeReads:
         return error
 
     def close(self) -> None:
-        """Close every client."""
         for client in self._clients.values():
             with contextlib.suppress(RedisClientError, OSError):
                 client.close()
@@ -141,8 +126,7 @@ class NodeReads:
 
 @dataclass(frozen=True)
 class StoredCopy:
-    """One node's copy of a lock: the stored value (token included: never shown) and its
-    pttl in milliseconds (-1: no expiry). ``node`` is the node's index."""
+    """One node's (by index) copy of a lock: its value, token included, and pttl (-1: none)."""
 
     node: int
     value: str
@@ -151,8 +135,8 @@ class StoredCopy:
 
 @dataclass(frozen=True)
 class FoundLock:
-    """A lock key across the nodes: its public record, the stored value that holds it (the
-    majority's, else the commonest), and every node's copy."""
+    """A lock key: its record, the value holding it (the majority's, else the commonest), and
+    every node's copy."""
 
     record: LockRecord
     value: str
@@ -161,8 +145,7 @@ class FoundLock:
 
 @dataclass(frozen=True)
 class LockRead:
-    """Locks found (sorted by key), nodes that did not answer, and per key the nodes where it
-    is not a lock (node name -> why)."""
+    """Locks found (by key), nodes that did not answer, and per key node -> why not a lock."""
 
     found: list[FoundLock]
     unreachable: tuple[NodeError, ...]
@@ -174,11 +157,10 @@ NodeRead = tuple[dict[str, tuple[str, int]], dict[str, str]]
 
 
 class LockReader:
-    """The app, its settings and a `Redlock` over its nodes with the caller's ``timeout``
-    (seconds per node and command). Use it as a context manager: it closes its connections."""
+    """The app's settings and a `Redlock` over its nodes with ``timeout`` per node and command;
+    a context manager that closes its connections."""
 
     def __init__(self, app: Any, timeout: float) -> None:
-        self.app = app
         self.timeout = timeout
         self.settings: RedlockSettings = AppRuntime.for_app(app).settings
         self.redlock = from_settings(self.settings, node_timeout=timeout)
@@ -198,8 +180,7 @@ class LockReader:
         nodes: Sequence[LockNode] | None = None,
         timeout: float | None = None,
     ) -> list[NodeAnswer[Answer]]:
-        """Ask every node (or ``nodes``) ``question`` at once, each command bounded by the
-        timeout; one `NodeAnswer` per node, in order. Never raises for what a node does."""
+        """One `NodeAnswer` per node (or of ``nodes``), in order, all asked at once."""
 
         def ask(node: LockNode) -> NodeAnswer[Answer]:
             reads = NodeReads(node, timeout or self.timeout)
@@ -238,8 +219,7 @@ class LockReader:
         return LockRead(found, unreachable_nodes(answers), not_locks)
 
     def scan(self, reads: NodeReads) -> list[str]:
-        """Every lock key under the prefix on one node: SCAN in batches on each of its servers
-        (a cluster's masters)."""
+        """Every lock key under the prefix on one node (SCAN on each of its servers)."""
         legacy = legacy_layout(self.redlock)
         pattern = (keyspace.legacy_scan_pattern if legacy else keyspace.scan_pattern)(self.prefix)
         found: set[str] = set()
@@ -266,7 +246,6 @@ class LockReader:
         return sorted(found)
 
     def found_lock(self, key: str, copies: Sequence[StoredCopy]) -> FoundLock:
-        """One lock's record from its copies (at least one)."""
         pairs = [(copy.value, copy.milliseconds_left) for copy in copies]
         held = majority_holder(pairs, self.quorum)
         if held is not None:
@@ -296,7 +275,6 @@ class LockReader:
 
 
 def unreachable_nodes(answers: Sequence[NodeAnswer[Any]]) -> tuple[NodeError, ...]:
-    """The nodes among ``answers`` that gave none, and why."""
     return tuple(
         NodeError(answer.node, answer.error or "no answer")
         for answer in answers
@@ -305,10 +283,8 @@ def unreachable_nodes(answers: Sequence[NodeAnswer[Any]]) -> tuple[NodeError, ..
 
 
 def read_keys(reads: NodeReads, keys: Sequence[str]) -> NodeRead:
-    """GET and PTTL of ``keys`` on one node, each on the server that holds it, one pipeline per
-    server and batch. Keys that are absent are left out; keys that hold no lock value (another
-    type, another value) are named with why. A key whose slot moved (``MOVED``, ``ASK``) is read
-    again through a round of the read script on this node, which follows the cluster there."""
+    """GET and PTTL of ``keys`` on one node, pipelined per server; absent keys left out, and a
+    key whose slot moved read again through a round of the read script, which follows it."""
     read: NodeRead = ({}, {})
     by_server: dict[int, tuple[Endpoint, list[str]]] = {}
     for key in keys:
@@ -339,8 +315,7 @@ def read_keys(reads: NodeReads, keys: Sequence[str]) -> NodeRead:
 
 
 def read_in_rounds(reads: NodeReads, keys: Sequence[str]) -> list[Any]:
-    """The read script's reply (value, pttl) for each of ``keys`` on this node, in rounds of the
-    nodes layer: its member follows a slot that moves (``MOVED``, ``ASK``) to where it is now."""
+    """The read script's (value, pttl) of each of ``keys``, in rounds that follow moved slots."""
     if not keys:
         return []
     group = NodeGroup([reads.member], reads.timeout)
@@ -358,8 +333,7 @@ def read_in_rounds(reads: NodeReads, keys: Sequence[str]) -> list[Any]:
 
 
 def file_copy(read: NodeRead, key: str, value: Any, milliseconds: Any) -> None:
-    """File one key's value and pttl under the node's locks or not-locks (or nowhere, when the
-    key is absent); raises `BadReply` for replies no server gives."""
+    """File one key's value and pttl under the node's locks or not-locks (absent: nowhere)."""
     if value is None:
         return
     stored = expect_text(value, "GET")
@@ -373,12 +347,8 @@ def file_copy(read: NodeRead, key: str, value: Any, milliseconds: Any) -> None:
         read[1][key] = NOT_A_LOCK_VALUE
 
 
-# -- replies and errors, checked ---------------------------------------------------------------
-
-
 def failure(error: Exception, user: str = "<user>") -> str:
-    """One line about what went wrong reading a node: a reply no server gives, a connection or
-    command error (an ACL denial with its grant), or garbage a parser choked on."""
+    """One line about what went wrong reading a node."""
     if isinstance(error, BadReply):
         return str(error)
     if isinstance(error, (RedisClientError, OSError)):
@@ -387,8 +357,7 @@ def failure(error: Exception, user: str = "<user>") -> str:
 
 
 def describe_error(error: BaseException, user: str = "<user>") -> str:
-    """One line about a connection or command error. An ACL denial says what the node's
-    ``user`` may not do, and the ``ACL SETUSER`` grant that allows it."""
+    """One line about a connection or command error (an ACL denial with its grant)."""
     fix = access_fix(error, user)
     if fix is not None:
         return fix
@@ -424,19 +393,16 @@ def access_fix(error: BaseException, user: str) -> str | None:
 
 
 def text(value: Any) -> str:
-    """A reply's bytes as text (invalid UTF-8 replaced)."""
     return value.decode("utf-8", errors="replace") if isinstance(value, bytes) else str(value)
 
 
 def expect_text(reply: Any, command: str) -> str:
-    """``reply`` as text when it is a string reply; else `BadReply`."""
     if isinstance(reply, (bytes, str)):
         return text(reply)
     raise BadReply(command, reply, "a string")
 
 
 def expect_integer(reply: Any, command: str) -> int:
-    """``reply`` when it is an integer reply; else `BadReply`."""
     if isinstance(reply, int) and not isinstance(reply, bool):
         return reply
     raise BadReply(command, reply, "an integer")

@@ -37,8 +37,8 @@ REAPER_THREAD_NAME = "celery-redlock reaper"
 
 
 def process_exists(pid: int) -> bool:
-    """True when a process ``pid`` exists on this machine (in this PID namespace); True too
-    when ``pid`` is not a usable process id, since nothing can be concluded then."""
+    """True when process ``pid`` exists here (a zombie does not); True too for an unusable
+    ``pid``, since nothing can be concluded then."""
     if pid <= 0:
         return True
     try:
@@ -57,22 +57,23 @@ def process_exists(pid: int) -> bool:
 
 @dataclass(frozen=True)
 class Verdict:
-    """What `reap` decided about one lock: an action (`FREED` once proven), why, the proof."""
-
     action: str
     reason: str
     proof: str | None = None
 
 
 def kept(reason: str) -> Verdict:
-    """The verdict that keeps a lock, for ``reason``."""
     return Verdict(records.KEPT, reason)
+
+
+def proven(proof: str, reason: str) -> Verdict:
+    return Verdict(records.FREED, reason, proof)
 
 
 @dataclass
 class Watch:
-    """A held lock being judged: what was read of it (node -> (pttl ms, when read), copies
-    holding its value only), whether its worker answered at some point, and the verdict."""
+    """A held lock being judged; ``pttls``: node -> (pttl ms, when read) of copies holding its
+    value."""
 
     found: FoundLock
     owner: Owner
@@ -93,36 +94,16 @@ def reap(
 ) -> list[ReapResult]:
     """Free the held locks whose holder is proven gone — by token, never a live holder's.
 
-    Returns one `ReapResult` per held lock, sorted by key. A lock is freed (its exact stored
-    value deleted, atomically, on every node: a lock taken again meanwhile is untouched) only
-    with one of these proofs:
+    Returns one `ReapResult` per held lock, sorted by key. A lock's exact stored value is deleted
+    atomically on every node only with a proof (in full: docs/operations.md): its process is gone
+    from this host (``PROOF_PROCESS_GONE``; ``check_local_processes=False`` turns this off), its
+    worker answers without running it (``PROOF_NOT_RUNNING``), or its worker stays silent for
+    ``grace`` while the lock is not extended (``PROOF_SILENT``). Never freed: a
+    ``lock_on_enqueue`` claim, a task without auto-extension, a lock maybe in its ``lock_hold``
+    window, a task this app does not define, a value without a readable owner.
 
-    - ``PROOF_PROCESS_GONE``: the holder ran on this host (same host name) and its process no
-      longer exists. ``check_local_processes=False`` turns this off: do so when machines or
-      containers share host names.
-    - ``PROOF_NOT_RUNNING``: the holder's worker answers (exactly one worker under its node
-      name), has the task id neither active nor reserved, and the holder's process is that
-      worker's main process (solo, threads: the body would run there) or none of its processes
-      (the worker was restarted under the same name). When the holder's process is still one of
-      its pool processes (a hard time limit being enforced, a release that failed), the lock
-      must also stay unextended for the grace period.
-    - ``PROOF_SILENT``: the holder's worker does not answer for the whole grace period (or
-      there is no node name to ask: a run outside a worker, or a solo or threads pool, where
-      Celery records the plain host name), and in that time the lock is not extended on any node
-      nor its value changed. A live holder's lock keeper extends a third of the way through the
-      lock's validity, so a lock is judged this way only when the grace exceeds a third of its
-      time left plus `KEEPER_LATENESS_SECONDS`. Silence alone proves nothing: a solo or threads
-      pool busy in a task does not answer control commands, and a partition looks the same. A
-      holder frozen, or cut off from both the broker and the lock nodes, for the whole grace
-      counts as gone.
-
-    Never freed: a queued call's claim (``lock_on_enqueue``), a task without auto-extension, a
-    lock that may be in its ``lock_hold`` window (time left within ``lock_hold``), a task this
-    app does not define (its hold and extension are unknown), a value without a readable owner.
-
-    ``grace`` defaults to ``redlock_reap_grace``; 0 turns the silent proof off. The call waits
-    (``grace`` seconds) only when some lock needs watching, and then tells ``progress``. With
-    ``dry_run`` the decisions are the same and nothing is deleted (action ``"would-free"``).
+    ``grace`` defaults to ``redlock_reap_grace`` (0: no silent proof); the call waits only when a
+    lock needs watching, and tells ``progress``. ``dry_run`` deletes nothing (`WOULD_FREE`).
     Raises `QuorumUnavailable` when fewer than a majority of nodes answer.
     """
     with LockReader(app, timeout) as reader:
@@ -168,7 +149,7 @@ NO_OWNER = "the stored value names no owner celery_redlock can read"
 def pttls_holding(
     entry: FoundLock, holding: FoundLock, read_at: float
 ) -> dict[int, tuple[int, float]]:
-    """Per node, the pttl of the copies of ``entry`` that still hold ``holding``'s value."""
+    """Per node, the pttl of ``entry``'s copies that still hold ``holding``'s value."""
     return {
         copy.node: (copy.milliseconds_left, read_at)
         for copy in entry.copies
@@ -179,7 +160,7 @@ def pttls_holding(
 def first_look(
     watch: Watch, tasks: Mapping[str, SingletonTask], check_local_processes: bool
 ) -> Verdict | None:
-    """The verdict that needs neither the workers nor watching, or None."""
+    """The verdict that needs neither the workers nor watching, if any."""
     record, owner = watch.found.record, watch.owner
     if owner.queued:
         return kept(
@@ -204,18 +185,14 @@ def first_look(
         return kept(f"it may be in its lock_hold window (kept {hold:g}s after a run on purpose)")
     local = check_local_processes and owner.host == socket.gethostname()
     if local and not process_exists(owner.pid):
-        return Verdict(
-            records.FREED,
-            f"process {owner.pid} no longer exists on this host",
-            records.PROOF_PROCESS_GONE,
-        )
+        reason = f"process {owner.pid} no longer exists on this host"
+        return proven(records.PROOF_PROCESS_GONE, reason)
     watch.extends = extends
     return None
 
 
 def grace_verdict(watch: Watch, grace: float) -> Verdict | None:
-    """For a lock whose worker is silent (or runs it no more in a live pool process): kept
-    when watching cannot prove anything, else None (watch it for ``grace`` seconds)."""
+    """Kept when watching cannot prove the holder gone; None: watch it for ``grace``."""
     record, owner = watch.found.record, watch.owner
     assert record.time_left is not None
     if not watch.extends:
@@ -235,7 +212,7 @@ def grace_verdict(watch: Watch, grace: float) -> Verdict | None:
 
 
 def worker_verdict(watch: Watch, workers: Mapping[str, WorkerState]) -> Verdict | None:
-    """The verdict the holder's worker gives by answering, or None (silent, or watch on)."""
+    """The verdict the holder's worker gives by answering, if any."""
     owner = watch.owner
     state = workers.get(worker_node_name(owner) or "")
     if state is None or not state.replies:
@@ -248,18 +225,16 @@ def worker_verdict(watch: Watch, workers: Mapping[str, WorkerState]) -> Verdict 
     if owner.id is not None and owner.id in state.running:
         return kept(f"worker {owner.worker} answers and is running task {owner.id}")
     if owner.pid == state.pid:
-        return Verdict(
-            records.FREED,
+        return proven(
+            records.PROOF_NOT_RUNNING,
             f"worker {owner.worker} answers and is not running the task, in the holder's own "
             f"process {owner.pid}",
-            records.PROOF_NOT_RUNNING,
         )
     if owner.pid not in state.pool_processes:
-        return Verdict(
-            records.FREED,
+        return proven(
+            records.PROOF_NOT_RUNNING,
             f"worker {owner.worker} answers, is not running the task, and the holder's process "
             f"{owner.pid} is none of its processes",
-            records.PROOF_NOT_RUNNING,
         )
     return None  # still one of its pool processes: watch that the lock is not extended
 
@@ -267,8 +242,8 @@ def worker_verdict(watch: Watch, workers: Mapping[str, WorkerState]) -> Verdict 
 def watch_for_grace(
     app: Any, reader: LockReader, watches: Sequence[Watch], grace: float, timeout: float
 ) -> None:
-    """Watch ``watches`` for ``grace`` seconds: about once a second, ask the silent workers
-    and re-read the locks; a lock extended, changed, or found running is decided at once."""
+    """About once a second for ``grace``, ask the workers and re-read the locks; whatever is
+    undecided at the end is proven gone."""
     started = time.monotonic()
     while True:
         left = started + grace - time.monotonic()
@@ -297,11 +272,11 @@ def watch_for_grace(
                 why = why if worker_node_name(watch.owner) else "no worker node name to ask"
                 proof = records.PROOF_SILENT
             reason = f"{why}, and the lock was not extended for {watched:.1f}s"
-            watch.verdict = Verdict(records.FREED, reason, proof)
+            watch.verdict = proven(proof, reason)
 
 
 def look_again(watch: Watch, now: FoundLock | None, read_at: float) -> Verdict | None:
-    """Compare a new read of the lock with the last one: None while nothing changed."""
+    """None while the new read shows no change."""
     if now is None or not now.record.held or now.value != watch.found.value:
         return Verdict(records.GONE, "released, expired or taken by another holder while watched")
     for node, (milliseconds, when) in pttls_holding(now, watch.found, read_at).items():
@@ -336,13 +311,9 @@ def settle(reader: LockReader, watch: Watch, dry_run: bool) -> ReapResult:
     return ReapResult(record, records.FREED, verdict.proof, verdict.reason, freed)
 
 
-# -- the reaper timer ------------------------------------------------------------------------
-
-
 def start_reaper_thread(app: Any, worker: Any) -> threading.Thread | None:
-    """For a worker starting (``worker_init``'s sender, in its main process): with
-    ``redlock_reap_interval`` set, start a daemon thread that runs `reap_while_worker_runs`,
-    and return it; None (nothing read from the app's settings) when the setting is not set."""
+    """Start and return a daemon thread running `reap_while_worker_runs` for ``worker`` (the
+    ``worker_init`` sender) when ``redlock_reap_interval`` is set; else None."""
     if app.conf.get("redlock_reap_interval") is None:
         return None
     interval = AppRuntime.for_app(app).settings.reap_interval
@@ -358,9 +329,8 @@ def start_reaper_thread(app: Any, worker: Any) -> threading.Thread | None:
 
 
 def reap_while_worker_runs(app: Any, interval: float, worker: Callable[[], Any]) -> None:
-    """Run `reap` every ``interval`` seconds while the worker runs; return once it closes or
-    terminates. ``worker()`` gives the worker (a weak reference: None once it is gone, which
-    counts as terminated). A failed reap is logged and tried again at the next interval."""
+    """Run `reap` every ``interval`` seconds until the worker (``worker()``, None once gone)
+    closes or terminates; a failed reap is logged."""
     while True:
         time.sleep(interval)
         # A cold shutdown sends no worker_shutdown: the worker's own state tells.

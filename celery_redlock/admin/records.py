@@ -1,6 +1,5 @@
-"""The records the operators' API returns: frozen dataclasses with a ``to_json()``, none of which
-holds a lock token (the secret part of a stored lock value, which allows releasing the lock).
-"""
+"""The records the operators' API returns: frozen dataclasses with a ``to_json()``, never
+holding a lock token."""
 
 from __future__ import annotations
 
@@ -13,27 +12,22 @@ from typing import Any
 from ..errors import RedlockError
 from ..lock.owner import Owner
 
-DEFAULT_TIMEOUT = 1.0
-"""Seconds each node (and the workers, for control commands) gets per command by default."""
+DEFAULT_TIMEOUT = 1.0  # seconds per node (and worker control command) and command
 
+# Reap proofs (see `reap`): the holder's worker answers and is not running the task; the holder
+# ran on this host and its process is gone; its worker stayed silent and the lock unextended.
 PROOF_NOT_RUNNING = "worker-not-running-it"
-"""Reap proof: the holder's worker answers and is not running the task (see `reap`)."""
 PROOF_PROCESS_GONE = "process-gone"
-"""Reap proof: the holder ran on this host and its process no longer exists."""
 PROOF_SILENT = "silent-not-extended"
-"""Reap proof: the worker stayed silent and the lock was not extended for the grace period."""
 
+# Reap actions: deleted; would be deleted (a dry run); kept (no proof its holder is gone);
+# proven, but released or taken by someone else before it could be freed.
 FREED = "freed"
-"""Reap action: the lock was deleted."""
 WOULD_FREE = "would-free"
-"""Reap action in a dry run: the lock would have been deleted."""
 KEPT = "kept"
-"""Reap action: the lock stays (no proof its holder is gone)."""
 GONE = "gone"
-"""Reap action: proven, but released or taken by someone else before it could be freed."""
 
 LEGACY_NOTE = "0.2 key layout: a celery-redlock 0.2 worker's lock; 0.3 workers treat it as held"
-"""How a lock under a 0.2-layout key is described to people."""
 
 
 def as_json(record: Any, *leave_out: str) -> dict[str, Any]:
@@ -49,7 +43,7 @@ def as_json(record: Any, *leave_out: str) -> dict[str, Any]:
 
 
 def names_by_warning(named: Iterable[tuple[str, Iterable[str]]]) -> dict[str, list[str]]:
-    """Each warning of the ``(name, warnings)`` pairs, with the names that have it."""
+    """Each warning of the ``(name, warnings)`` pairs -> the names that have it."""
     grouped: dict[str, list[str]] = {}
     for name, warnings in named:
         for warning in warnings:
@@ -59,8 +53,7 @@ def names_by_warning(named: Iterable[tuple[str, Iterable[str]]]) -> dict[str, li
 
 @dataclass(frozen=True)
 class NodeError:
-    """A lock node that did not answer — no reply, an error reply, or a reply no Redis server
-    gives (such a node is not trusted) — and why, in one line."""
+    """A lock node that did not answer (or gave replies no Redis server gives), and why."""
 
     node: str
     error: str
@@ -72,13 +65,10 @@ class NodeError:
 
 @dataclass(frozen=True)
 class NodeStatus:
-    """What one lock node told about itself. Fields are None where it could not be learnt:
-    unreachable (``error`` says why: no answer, or replies no Redis server gives), or a command
-    refused by an ACL or renamed by a managed service (``could_not_read`` says what, and for an
-    ACL which command to grant). ``warnings`` name the node's settings that weaken the lock's
-    safety, each with the fix. ``connected_replicas`` is how many replicas the server has;
-    ``servers``, for a node made of several servers (a Redis Cluster: one per master), each
-    server's own record (the node's fields are then what they agree on)."""
+    """What one lock node told about itself; None where it could not be learnt (``error`` says
+    why it is unreachable, ``could_not_read`` what an ACL or a managed service refused).
+    ``warnings`` name settings that weaken the lock's safety, with the fix; ``servers`` holds a
+    cluster's masters' own records (the node's fields are what they agree on)."""
 
     node: str
     reachable: bool
@@ -104,9 +94,7 @@ class NodeStatus:
         return version if version.startswith("valkey ") else f"redis {version}"
 
     def summary(self) -> str:
-        """The node in one line, for people: round trip, version, role, persistence, replicas;
-        or why it is unreachable. A node of several servers (a cluster) says how many masters,
-        with the slowest round trip and the fewest replicas of any master."""
+        """The node in one line, for people (or why it is unreachable)."""
         if not self.reachable:
             return f"unreachable: {self.error}"
         persistence = {True: "aof on", False: "aof off", None: "aof unknown"}[self.aof_enabled]
@@ -128,10 +116,9 @@ class NodeStatus:
 
 @dataclass(frozen=True)
 class StatusReport:
-    """Every lock node's status, plus what only the group shows: the node count (one node, an
-    even number), URLs that reach the same server, nodes down. ``largest_lock_ttl`` is the
-    longest a lock key can live (the ttl setting, any singleton task's ttl or ``lock_hold``):
-    how long a crashed node without ``appendfsync always`` must stay down."""
+    """Every lock node's status, and ``warnings`` about the group (node count, duplicates, nodes
+    down). ``largest_lock_ttl``: how long a crashed node without ``appendfsync always`` must
+    stay down (the longest ttl or ``lock_hold``)."""
 
     nodes: tuple[NodeStatus, ...]
     quorum: int
@@ -163,8 +150,8 @@ class StatusReport:
         return self.reachable >= self.quorum
 
     def warning_lines(self) -> list[str]:
-        """Every warning, for people: a node warning shared by several nodes once, naming them
-        all (``"<nodes>: <warning>"``), then the group's warnings."""
+        """Every warning, for people: ``"<nodes>: <warning>"`` once per node warning, then the
+        group's."""
         grouped = names_by_warning((status.node, status.warnings) for status in self.nodes)
         lines = [f"{', '.join(names)}: {warning}" for warning, names in grouped.items()]
         return lines + list(self.warnings)
@@ -186,15 +173,11 @@ class StatusReport:
 class LockRecord:
     """One lock key as seen across the nodes, token left out.
 
-    ``held`` when one value is on a majority of nodes: somebody holds the lock, and ``owner``
-    says who (None when the value carries no owner celery_redlock can read); otherwise the copies
-    are leftovers on a minority (a failed acquisition, or a lock whose majority expired), which
-    expire by themselves. ``time_left`` is when the lock stops being held unless extended (None:
-    the key has no expiry). ``worker_answers`` and ``task_active`` are None unless the workers
-    were asked (``check_workers=True``): whether the holder's worker answered a ping, and whether
-    the holder's task id is active or reserved there. ``legacy_layout``: the key has the 0.2
-    layout (no braces): a celery-redlock 0.2 worker holds it, and today's workers treat the
-    lock as held.
+    ``held`` when one value is on a majority of nodes, ``owner`` saying who (None: unreadable);
+    else the copies are minority leftovers that expire by themselves. ``time_left``: None for no
+    expiry. ``worker_answers`` and ``task_active`` (None unless ``check_workers=True``): whether
+    the holder's worker answered a ping, and runs the holder's task id. ``legacy_layout``: a
+    0.2-layout key (a celery-redlock 0.2 worker's lock, which today's workers treat as held).
     """
 
     key: str
@@ -289,8 +272,8 @@ class LockRecord:
 
 @dataclass(frozen=True)
 class LockListing:
-    """The lock keys found on the nodes: ``locks`` held by a majority, ``minority`` leftovers,
-    and which nodes did not answer. Nothing about held locks is certain without ``has_quorum``."""
+    """``locks`` held by a majority, ``minority`` leftovers, and the nodes that did not answer;
+    nothing about held locks is certain without ``has_quorum``."""
 
     locks: tuple[LockRecord, ...]
     minority: tuple[LockRecord, ...]
@@ -322,8 +305,7 @@ class LockListing:
 
 @dataclass(frozen=True)
 class CallKey:
-    """The lock a call of a singleton task takes: ``key`` (under the key prefix), ``resource``
-    (the key without it) and ``basis``, what the key is made of, in words."""
+    """The lock a call takes: ``key``, ``resource`` (without the prefix), ``basis`` (in words)."""
 
     task: str
     args: tuple[Any, ...]
@@ -346,8 +328,7 @@ class CallKey:
 
 @dataclass(frozen=True)
 class Refusal:
-    """A node where a key is not a lock, and why (its type, or a value celery_redlock never
-    writes): `force_release` leaves the key alone there."""
+    """A node where the key is not a lock, and why: `force_release` leaves it alone there."""
 
     node: str
     reason: str
@@ -359,9 +340,8 @@ class Refusal:
 
 @dataclass(frozen=True)
 class ReleaseResult:
-    """What `force_release` did: the lock it found (None: no reachable node had a lock under
-    the key), the nodes it was deleted on, those where a copy is still present, and those where
-    the key is not a lock (``refused``: left alone)."""
+    """What `force_release` did: the lock found (None: none), the nodes it was deleted on, those
+    still holding a copy, and those where the key is not a lock (``refused``: left alone)."""
 
     key: str
     resource: str
@@ -399,8 +379,7 @@ class ReleaseResult:
         }
 
     def refusal_lines(self) -> list[str]:
-        """One line per node where the key is not a lock: ``"<key> is not a lock on <node>:
-        <reason>"``."""
+        """``"<key> is not a lock on <node>: <reason>"`` per refusal."""
         return [
             f"{self.key} is not a lock on {refusal.node}: {refusal.reason}"
             for refusal in self.refused
@@ -409,14 +388,9 @@ class ReleaseResult:
 
 @dataclass(frozen=True)
 class ReapResult:
-    """What `reap` decided about one held lock.
-
-    ``action``: ``"freed"``, ``"would-free"`` (a dry run), ``"kept"``, or ``"gone"`` (proven, but
-    released or taken by someone else before it could be freed: nothing was deleted). ``proof``
-    is one of the ``PROOF_*`` constants when the holder was proven gone, else None; ``reason``
-    says why in words. ``nodes_freed`` counts the nodes that confirmed the deletion (once a
-    majority of them has, the others are not waited for).
-    """
+    """What `reap` decided about one held lock: ``action`` (`FREED`, `WOULD_FREE`, `KEPT`,
+    `GONE`), ``proof`` (a ``PROOF_*`` when the holder was proven gone), ``reason`` in words, and
+    ``nodes_freed``, the nodes that confirmed the deletion."""
 
     lock: LockRecord
     action: str
@@ -439,5 +413,4 @@ class UnknownTask(RedlockError, LookupError):
 
 
 class NotALock(RedlockError, ValueError):
-    """A key that is not a lock key (a fencing counter, completion records, schedule records,
-    anything else): operators' commands refuse it by name (``"<key> is not a lock: ..."``)."""
+    """A key that is not a lock key: operators' commands refuse it (``"<key> is not a lock"``)."""

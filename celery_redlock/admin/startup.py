@@ -1,19 +1,9 @@
-"""What a worker says about its lock nodes when it starts (`report_lock_nodes`, connected to
-``worker_ready``, so it comes just before Celery's "ready"):
-
-- one INFO line: every lock node (passwords redacted), up or down and why, how many answer and
-  whether they make a quorum;
-- an ERROR line when they do not: no singleton task can take its lock until more answer;
-- an ERROR line per node that refuses this worker — wrong credentials (``WRONGPASS``,
-  ``NOAUTH``) or an ACL that denies the lock commands or keys (``NOPERM``): a configuration
-  fault, named with the setting that fixes it, not an outage that passes;
-- a WARNING per Redis server that several nodes reach (the same ``run_id``), naming their URLs
-  (`celery_redlock.admin.status.same_server_warnings`, as ``celery redlock status`` says it).
-
-Each node is asked what ``celery redlock status`` asks first — PING, then ``INFO server`` for
-its ``run_id`` (an ACL that denies INFO only leaves duplicates undetected) — and one read of a
-key under the prefix through the read script (`scripts.READ`), which the node's user may run
-only where its ACL allows the lock scripts and keys. Nothing is written.
+"""What a worker logs about its lock nodes when it starts (`report_lock_nodes`, on
+``worker_ready``): an INFO line with every node's state and whether a quorum answers; an ERROR
+line without a quorum, and per node that refuses this worker's credentials or ACL (with the
+fix); a WARNING per Redis server that several nodes reach. Each node gets PING, ``INFO server``
+and one read through the read script, which only an ACL allowing the lock scripts permits.
+Nothing is written.
 """
 
 from __future__ import annotations
@@ -38,25 +28,20 @@ from .status import info_section, merged_status, ping, same_server_warnings, ser
 
 logger = logging.getLogger(__name__)
 
-CHECK_RESOURCE = "celery-redlock-start-check"
-"""The resource whose (absent) lock key the start-up check reads: never locked by anyone."""
-
-SHORTEST_TIMEOUT = 1.0
-"""Seconds each node gets at least: a worker starting is not in a hurry, a slow network is."""
+CHECK_RESOURCE = "celery-redlock-start-check"  # its (absent) lock key is read: never locked
+SHORTEST_TIMEOUT = 1.0  # seconds per node at least: a starting worker is in no hurry
 
 
 @dataclass(frozen=True)
 class NodeCheck:
-    """One node at worker start: its identity (``run_id``, a cluster's masters in
-    ``status.servers``), or ``denied``: why it refuses this worker (credentials, ACL)."""
+    """One node at worker start: its identity, or ``denied``: why it refuses this worker."""
 
     status: NodeStatus
     denied: str | None = None
 
 
 def report_lock_nodes(sender: Any = None, **_: Any) -> None:
-    """``worker_ready`` handler: log the start-up report of the worker's app, when it has
-    singleton tasks."""
+    """``worker_ready`` handler: log the start-up report, when the app has singleton tasks."""
     app = getattr(sender, "app", None)
     if app is None or not any(isinstance(task, SingletonTask) for task in app.tasks.values()):
         return
@@ -67,8 +52,7 @@ def report_lock_nodes(sender: Any = None, **_: Any) -> None:
 
 
 def report(app: Any) -> list[NodeCheck | None]:
-    """Ask every lock node of ``app`` at once and log what the worker should know; returns each
-    node's check (None where the node did not answer)."""
+    """Check every lock node at once and log the report; each node's check (None: no answer)."""
     with LockReader(app, SHORTEST_TIMEOUT) as reader:
         timeout = max(reader.settings.node_timeout, SHORTEST_TIMEOUT)
         key = keyspace.lock_key(reader.prefix, CHECK_RESOURCE)
@@ -90,12 +74,9 @@ def report(app: Any) -> list[NodeCheck | None]:
 
 
 def check_node(reads: NodeReads, key: str, user: str) -> NodeCheck:
-    """Identify the node's servers, then read ``key`` through the read script; an
-    authentication or ACL refusal is a `NodeCheck` with ``denied`` (naming the node's ACL
-    user: its URL's, else ``user``), anything else that goes wrong raises (the node does not
-    answer). The script is sent as EVAL with its source, to the server the node's routing
-    names: what this checks is the node's ACL, not the scripts' cache. In a slot that moves,
-    the read goes through a round, which follows it."""
+    """Identify the node's servers, then read ``key`` through the read script (EVAL: this checks
+    the ACL, not the scripts' cache); a credentials or ACL refusal is ``denied``, anything else
+    raises."""
     try:
         servers = [identify(reads, server) for server in reads.servers()]
         try:
@@ -117,8 +98,7 @@ def check_node(reads: NodeReads, key: str, user: str) -> NodeCheck:
 
 
 def identify(reads: NodeReads, server: Endpoint) -> NodeStatus:
-    """One server's identity: it answers PING (a denied PING is an answer), and ``INFO
-    server`` gives its ``run_id`` and version unless an ACL denies INFO."""
+    """One server's ``run_id`` and version (``INFO server``; unknown when an ACL denies it)."""
     ping(reads, server)
     try:
         fields = info_section(reads, server, "server")
@@ -135,7 +115,6 @@ def identify(reads: NodeReads, server: Endpoint) -> NodeStatus:
 
 
 def summary_line(answers: Sequence[NodeAnswer[NodeCheck]], answering: int, quorum: int) -> str:
-    """The INFO line: each node and its state, how many answer, whether a quorum does."""
     states = []
     for answer in answers:
         check = answer.value
@@ -153,7 +132,6 @@ def summary_line(answers: Sequence[NodeAnswer[NodeCheck]], answering: int, quoru
 
 
 def denial_line(node: str, url: str, denied: str, answering: int) -> str:
-    """The ERROR line of a node that refuses this worker's credentials or commands."""
     if "NOPERM" in denied or "ACL SETUSER" in denied:
         fix = (
             "grant the node's ACL user the commands and keys of README's ACL SETUSER line "
@@ -170,7 +148,6 @@ def denial_line(node: str, url: str, denied: str, answering: int) -> str:
 
 
 def no_quorum_line(total: int, answering: int, quorum: int) -> str:
-    """The ERROR line when fewer than a quorum of nodes answer: what to check."""
     return (
         f"no quorum of lock nodes answers at worker start ({answering} of {total}, "
         f"{quorum} needed): no singleton task can take its lock until {quorum - answering} "

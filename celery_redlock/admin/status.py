@@ -1,15 +1,8 @@
 """Node health: is each lock node there, how fast, which Redis, and is it set up safely.
 
-Asks every node at once (`LockReader.ask`): PING (the round trip, on an open connection), INFO
-(version, role, persistence, eviction) and, with AOF on, ``CONFIG GET appendfsync``. Only PING
-is needed to count a node as reachable; a command a managed service renames or an ACL denies is
-reported in ``could_not_read`` (with the ``ACL SETUSER`` grant for a denial) and the check it
-serves is skipped. A node that answers what no Redis server answers is unreachable, with why.
-
-A lock node that is a Redis Cluster is probed on every master at once and reported as one node
-(reachable when every master is), its masters' own records in ``servers``. Cluster and Sentinel
-nodes are also checked against ``redlock_wait_replicas``: replicas that may miss a grant, or too
-few replicas to acknowledge one.
+PING (the round trip), INFO and, with AOF on, ``CONFIG GET appendfsync`` on every node at once;
+only PING is needed to be reachable, and a command an ACL denies or a managed service renames is
+in ``could_not_read``. A Redis Cluster node is every master, merged into one record.
 """
 
 from __future__ import annotations
@@ -42,50 +35,42 @@ from .reading import (
 )
 from .records import DEFAULT_TIMEOUT, NodeStatus, StatusReport, names_by_warning
 
-INFO_READS = "role, persistence and eviction"
-
 
 def status_report(app: Any, timeout: float = DEFAULT_TIMEOUT) -> StatusReport:
-    """Every lock node's status and the warnings about the group, asked at once.
+    """Every lock node's status, in ``redlock_urls`` order, and the warnings about the group.
 
-    Promises: one `NodeStatus` per configured node, in ``redlock_urls`` order (a node that does
-    not answer, or answers garbage, is a record with ``reachable=False`` and the error, never an
-    exception); passwords are redacted in every name; the call takes about one ``timeout``
-    however many nodes hang.
+    A node that does not answer (or answers garbage) is a record with ``reachable=False`` and
+    the error, never an exception; passwords are redacted; takes about one ``timeout``.
     """
     with LockReader(app, timeout) as reader:
         answers = reader.ask(probe_member)
         largest_ttl = largest_lock_ttl(app, reader.settings)
         legacy = legacy_lock_warnings(reader)
-    statuses = []
-    for node, answer in zip(reader.nodes, answers, strict=True):
-        if answer.value is None:
-            error = answer.error or "no answer"
-            statuses.append(NodeStatus(answer.node, reachable=False, error=error))
-            continue
-        status = dataclasses.replace(answer.value, node=answer.node)
-        statuses.append(with_warnings(status, node, largest_ttl))
+    statuses = [
+        with_warnings(dataclasses.replace(answer.value, node=answer.node), node, largest_ttl)
+        if answer.value is not None
+        else NodeStatus(answer.node, reachable=False, error=answer.error or "no answer")
+        for node, answer in zip(reader.nodes, answers, strict=True)
+    ]
     group_warnings = group_safety_warnings(statuses, reader.quorum) + legacy
     return StatusReport(tuple(statuses), reader.quorum, largest_ttl, tuple(group_warnings))
 
 
 def node_status(app: Any, timeout: float = DEFAULT_TIMEOUT) -> list[NodeStatus]:
-    """One `NodeStatus` per lock node — reachable, round trip, version, role, persistence,
-    eviction policy, warnings, what could not be read — in ``redlock_urls`` order.
-    `status_report` adds the warnings about the group (node count, duplicates, nodes down)."""
+    """One `NodeStatus` per lock node, in ``redlock_urls`` order (`status_report` without the
+    group's warnings)."""
     return list(status_report(app, timeout).nodes)
 
 
 def probe_member(reads: NodeReads) -> NodeStatus:
-    """One lock node's status: its server's (`probe_node`), or for a Redis Cluster every
-    master's at once, merged into one record (`merged_status`)."""
+    """One lock node's status; a Redis Cluster's masters probed at once and merged."""
     servers = reads.servers()
     if not isinstance(reads.member, ClusterNode):
         return probe_node(reads, servers[0])
 
     def probe_server(server: Endpoint) -> NodeStatus:
         try:
-            return dataclasses.replace(probe_node(reads, server), node=server.name)
+            return probe_node(reads, server)
         except Exception as error:  # the master's fault: an unreachable record, with why
             return NodeStatus(server.name, reachable=False, error=failure(error, reads.user))
 
@@ -94,9 +79,8 @@ def probe_member(reads: NodeReads) -> NodeStatus:
 
 
 def merged_status(name: str, servers: Sequence[NodeStatus]) -> NodeStatus:
-    """One record for a lock node made of ``servers`` (a cluster's masters): reachable when
-    every one is (a master down leaves its slots' locks unreachable), the slowest round trip,
-    and each field where the servers agree (else None; versions listed)."""
+    """One record of a cluster's masters: reachable when every one is, the slowest round trip,
+    and each field where they agree."""
     down = [server for server in servers if not server.reachable]
     up = [server for server in servers if server.reachable]
     error = None
@@ -110,6 +94,11 @@ def merged_status(name: str, servers: Sequence[NodeStatus]) -> NodeStatus:
     could_not_read = [
         f"{server.node}: {unread}" for server in servers for unread in server.could_not_read
     ]
+    shared = ("role", "aof_enabled", "appendfsync", "maxmemory", "maxmemory_policy")
+    values = {field: {getattr(server, field) for server in up} for field in shared}
+    agreed: dict[str, Any] = {
+        field: found.pop() if len(found) == 1 else None for field, found in values.items()
+    }
     return NodeStatus(
         name,
         reachable=not down and bool(servers),
@@ -118,11 +107,7 @@ def merged_status(name: str, servers: Sequence[NodeStatus]) -> NodeStatus:
             (server.round_trip_milliseconds or 0.0 for server in up), default=None
         ),
         redis_version=", ".join(versions) or None,
-        role=agreed(server.role for server in up),
-        aof_enabled=agreed(server.aof_enabled for server in up),
-        appendfsync=agreed(server.appendfsync for server in up),
-        maxmemory=agreed(server.maxmemory for server in up),
-        maxmemory_policy=agreed(server.maxmemory_policy for server in up),
+        **agreed,
         # The weakest shard: the fewest replicas of any master (unknown if any is unknown).
         connected_replicas=min(known_replicas, default=None)
         if len(known_replicas) == len(replicas)
@@ -132,15 +117,9 @@ def merged_status(name: str, servers: Sequence[NodeStatus]) -> NodeStatus:
     )
 
 
-def agreed(values: Any) -> Any:
-    """The one value every server gave, else None."""
-    distinct = set(values)
-    return distinct.pop() if len(distinct) == 1 else None
-
-
 def with_warnings(status: NodeStatus, node: LockNode, largest_ttl: float) -> NodeStatus:
-    """``status`` with the warnings about its settings: its own, or for a node of several
-    servers each server's (a warning that not every server shares names the servers)."""
+    """``status`` with the warnings about its settings (a cluster's naming the masters that
+    have them, unless all do)."""
     replicated = isinstance(node, (ClusterNode, SentinelNode))
     if not status.servers:
         warnings = [*status.warnings, *node_safety_warnings(status, largest_ttl)]
@@ -160,7 +139,6 @@ def with_warnings(status: NodeStatus, node: LockNode, largest_ttl: float) -> Nod
 
 
 def replication_warnings(status: NodeStatus, wait_replicas: int) -> list[str]:
-    """What a Cluster or Sentinel master's replicas mean for the locks it grants."""
     replicas = status.connected_replicas
     if replicas is None or status.role not in (None, "master"):
         return []
@@ -180,8 +158,7 @@ def replication_warnings(status: NodeStatus, wait_replicas: int) -> list[str]:
 
 
 def probe_node(reads: NodeReads, server: Endpoint) -> NodeStatus:
-    """One server's status: PING twice (the first connects and authenticates, the second is
-    the round trip), then INFO and CONFIG where they are allowed."""
+    """One server's status: PING twice (the second is the round trip), INFO and CONFIG."""
     could_not_read: list[str] = []
     denied = ping(reads, server)
     if denied is not None:
@@ -194,19 +171,18 @@ def probe_node(reads: NodeReads, server: Endpoint) -> NodeStatus:
     try:
         fields.update(read_info(reads, server))
     except ResponseError as error:
-        could_not_read.append(f"{INFO_READS} (INFO): {describe_error(error, reads.user)}")
+        reason = describe_error(error, reads.user)
+        could_not_read.append(f"role, persistence and eviction (INFO): {reason}")
     if fields.get("aof_enabled"):
         try:
             fields["appendfsync"] = read_appendfsync(reads, server)
         except ResponseError as error:
-            reason = describe_error(error, reads.user)
-            could_not_read.append(f"appendfsync (CONFIG GET): {reason}")
-    return NodeStatus("", reachable=True, could_not_read=tuple(could_not_read), **fields)
+            could_not_read.append(f"appendfsync (CONFIG GET): {describe_error(error, reads.user)}")
+    return NodeStatus(server.name, reachable=True, could_not_read=tuple(could_not_read), **fields)
 
 
 def ping(reads: NodeReads, server: Endpoint) -> str | None:
-    """PING the server: None when it answers PONG, what to grant when an ACL denies PING (it
-    answered all the same); anything else raises (`BadReply`, an error reply)."""
+    """None when the server answers PONG, the grant when an ACL denies PING; else raises."""
     try:
         reply = reads.call(server, "PING")
     except ResponseError as error:
@@ -220,7 +196,6 @@ def ping(reads: NodeReads, server: Endpoint) -> str | None:
 
 
 def read_info(reads: NodeReads, server: Endpoint) -> dict[str, Any]:
-    """Version, server id, role, master, replicas, persistence and eviction from INFO."""
     identity = info_section(reads, server, "server")
     version = server_version(identity)
     if version is None:
@@ -244,9 +219,8 @@ def read_info(reads: NodeReads, server: Endpoint) -> dict[str, Any]:
 
 
 def server_version(server: dict[str, str]) -> str | None:
-    """The version in an INFO ``server`` section: ``redis_version`` for Redis; for Valkey
-    (``server_name:valkey``) ``valkey <valkey_version>``, since its ``redis_version`` is only
-    the Redis version it is compatible with. None when the section names no version."""
+    """``redis_version``, or ``valkey <valkey_version>`` for Valkey (whose ``redis_version`` is
+    the Redis version it is compatible with)."""
     version = server.get("redis_version")
     valkey_version = server.get("valkey_version")
     if valkey_version is not None:
@@ -257,7 +231,6 @@ def server_version(server: dict[str, str]) -> str | None:
 
 
 def info_section(reads: NodeReads, server: Endpoint, section: str) -> dict[str, str]:
-    """The ``name:value`` lines of one INFO section."""
     body = expect_text(reads.call(server, "INFO", section), f"INFO {section}")
     fields = {}
     for line in body.splitlines():
@@ -268,7 +241,6 @@ def info_section(reads: NodeReads, server: Endpoint, section: str) -> dict[str, 
 
 
 def number(fields: dict[str, str], name: str, section: str) -> int:
-    """A whole-number INFO field (0 when absent)."""
     value = fields.get(name, "0")
     if not value.isdigit():
         raise BadReply(f"INFO {section}", f"{name}:{value}", f"a number for {name}")
@@ -276,7 +248,6 @@ def number(fields: dict[str, str], name: str, section: str) -> int:
 
 
 def read_appendfsync(reads: NodeReads, server: Endpoint) -> str | None:
-    """``CONFIG GET appendfsync`` (a managed service may deny or rename it: `ResponseError`)."""
     reply = reads.call(server, "CONFIG", "GET", "appendfsync")
     if not isinstance(reply, list) or len(reply) % 2:
         raise BadReply("CONFIG GET", reply, "name and value pairs")
@@ -285,7 +256,6 @@ def read_appendfsync(reads: NodeReads, server: Endpoint) -> str | None:
 
 
 def node_safety_warnings(status: NodeStatus, largest_ttl: float) -> list[str]:
-    """The settings of one reachable node that weaken the lock's safety."""
     warnings: list[str] = []
     if status.role is not None and status.role != "master":
         of_master = f" of {status.master}" if status.master else ""
@@ -319,7 +289,6 @@ def node_safety_warnings(status: NodeStatus, largest_ttl: float) -> list[str]:
 
 
 def group_safety_warnings(statuses: Sequence[NodeStatus], quorum: int) -> list[str]:
-    """Warnings about the set of nodes as a whole."""
     total = len(statuses)
     warnings: list[str] = []
     if total == 1:
@@ -341,8 +310,7 @@ def group_safety_warnings(statuses: Sequence[NodeStatus], quorum: int) -> list[s
 
 
 def same_server_warnings(statuses: Sequence[NodeStatus]) -> list[str]:
-    """One warning per Redis server that several nodes reach (the same ``run_id``, whatever
-    their URLs say: ``127.0.0.1`` and ``localhost``, two names of one host), naming them."""
+    """One warning per Redis server (``run_id``) that several nodes reach, naming them."""
     by_server: dict[str, list[str]] = {}
     for status in statuses:
         for server in status.servers or (status,):  # a cluster's masters, each once
@@ -357,8 +325,7 @@ def same_server_warnings(statuses: Sequence[NodeStatus]) -> list[str]:
 
 
 def legacy_lock_warnings(reader: LockReader) -> list[str]:
-    """A warning naming the locks that celery-redlock 0.2 workers hold (0.2-layout keys), if
-    any: the fleet is being upgraded."""
+    """A warning naming the locks 0.2 workers hold, if any: the fleet is being upgraded."""
     if not legacy_layout(reader.redlock):
         return []
     found = reader.read(None).found
@@ -380,7 +347,6 @@ def legacy_lock_warnings(reader: LockReader) -> list[str]:
 
 
 def largest_lock_ttl(app: Any, settings: RedlockSettings) -> float:
-    """The longest a lock key can live: the ttl setting or any singleton task's ttl or hold."""
     largest = settings.ttl
     for task in singleton_tasks(app).values():
         with contextlib.suppress(RedlockError):

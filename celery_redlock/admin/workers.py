@@ -1,8 +1,5 @@
-"""The holders' workers: does a holder's worker answer, and is it running the holder's task?
-
-Celery control commands (``ping``, ``active``, ``reserved``, ``stats``) sent to the workers that
-lock owners name. A broker that fails, or a worker that does not answer, is no answer: never a
-proof and never an exception.
+"""The holders' workers, asked with control commands: does one answer, and run the holder's
+task? A broker that fails, or a worker that does not answer, is no answer, never an exception.
 """
 
 from __future__ import annotations
@@ -22,8 +19,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class WorkerState:
-    """What one worker node name answered. ``replies``: how many workers answered the ping
-    under that name (more than one: duplicate names, nothing can be told apart)."""
+    """What one worker node name answered; ``replies``: how many workers answered the ping."""
 
     replies: int
     running: frozenset[str] | None = None  # task ids active or reserved; None: unknown
@@ -32,28 +28,24 @@ class WorkerState:
 
     @property
     def answers(self) -> bool:
-        """True when exactly one worker answered under the name."""
         return self.replies == 1
 
 
 def worker_node_name(owner: Owner | None) -> str | None:
-    """The Celery node name (``name@host``) to ask about ``owner``, if it has one. Under the solo
-    and threads pools Celery gives tasks the plain host name as ``request.hostname``, which no
-    worker answers to."""
+    """The node name (``name@host``) to ask about ``owner``; None for a plain host name (solo
+    and threads pools), which no worker answers to."""
     worker = owner.worker if owner is not None else None
     return worker if worker and "@" in worker else None
 
 
 def worker_node_names(owners: Iterable[Owner | None]) -> list[str]:
-    """The distinct node names to ask about ``owners``, sorted."""
     return sorted({name for name in map(worker_node_name, owners) if name is not None})
 
 
 def broadcast(
     app: Any, command: str, names: Sequence[str], timeout: float, limit: int | None = None
 ) -> list[dict[str, Any]]:
-    """Send control ``command`` to the workers ``names`` and return their replies (none when
-    the broker fails: that is logged, never raised)."""
+    """The replies of the workers ``names`` to control ``command`` (none when the broker fails)."""
     if not names:  # no destination would mean every worker
         return []
     try:
@@ -67,9 +59,8 @@ def broadcast(
 
 
 def inspect_workers(app: Any, names: Sequence[str], timeout: float) -> dict[str, WorkerState]:
-    """Ping the workers ``names``; ask those that answer (once each) for their active and
-    reserved tasks and their processes. Costs one ``timeout`` (the ping waits for every reply,
-    so that duplicate names show), plus a round trip per question."""
+    """Ping the workers ``names`` (waiting the whole ``timeout``, so duplicate names show) and
+    ask those that answer for their active and reserved tasks and their processes."""
     if not names:
         return {}
     counts: Counter[str] = Counter()
@@ -108,8 +99,7 @@ def inspect_workers(app: Any, names: Sequence[str], timeout: float) -> dict[str,
 
 
 def with_worker_checks(app: Any, records: Sequence[LockRecord], timeout: float) -> list[LockRecord]:
-    """``records`` with ``worker_answers`` and ``task_active`` filled in for held locks whose
-    holder names a worker (one control round trip, about ``timeout``)."""
+    """``records`` with ``worker_answers`` and ``task_active`` of held locks' workers."""
     names = worker_node_names(record.owner for record in records if record.held)
     states = inspect_workers(app, names, timeout)
     checked = []
