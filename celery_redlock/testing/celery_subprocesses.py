@@ -1,19 +1,6 @@
-"""Real Celery processes: ``celery -A <app> worker`` (`CeleryWorker`, prefork by default),
-``celery -A <app> beat`` (`CeleryBeat`) and any other ``celery`` sub-command (`CeleryProcess`),
-each a `ManagedProcess` in a process group of its own, so that killing or stopping it reaches the
-worker's pool children too. `wait_for_workers` waits until workers answer ``app.control.ping``.
-
-Example::
-
-    from celery_redlock.testing import CeleryWorker, RedisNodes, RedisServer, celery_processes
-
-    with RedisServer() as broker, RedisNodes(3) as nodes, celery_processes() as processes:
-        settings = {"broker_url": broker.url, "redlock_urls": nodes.urls}
-        worker = CeleryWorker("proj.celery:app", "alpha", settings=settings)
-        processes.append(worker.start())
-        worker.wait_ready(app)        # any app on the same broker
-        ...
-"""
+"""Real ``celery`` processes, each a `ManagedProcess` in a process group of its own (so killing a
+worker reaches its pool children): `CeleryWorker`, `CeleryBeat`, any sub-command
+(`CeleryProcess`); `wait_for_workers` waits until workers answer ``app.control.ping``."""
 
 from __future__ import annotations
 
@@ -34,20 +21,11 @@ if TYPE_CHECKING:
 
     from celery import Celery
 
-__all__ = [
-    "CeleryBeat",
-    "CeleryProcess",
-    "CeleryWorker",
-    "WorkerNotReadyError",
-    "celery_processes",
-    "wait_for_workers",
-]
 
 _PING_TIMEOUT = 0.5  # seconds one readiness ping waits for replies
 _ENVIRONMENT_OF_SETTINGS = {
-    # Celery reads these variables before the settings (celery.app.utils.Settings), so a
-    # process given these settings gets the variables too: a value in the caller's environment
-    # must not win over them.
+    # Celery prefers these variables to the settings (celery.app.utils.Settings): a process
+    # given the settings gets them too, lest the caller's environment win.
     "broker_url": "CELERY_BROKER_URL",
     "result_backend": "CELERY_RESULT_BACKEND",
 }
@@ -58,8 +36,7 @@ class WorkerNotReadyError(RuntimeError):
 
 
 def _command_line_settings(settings: Mapping[str, Any]) -> list[str]:
-    """``key=(json)<value>`` arguments that ``celery worker`` and ``celery beat`` apply to their
-    app's configuration (Celery's ``config_from_cmdline``)."""
+    """``key=(json)<value>`` arguments, Celery's ``config_from_cmdline``."""
     arguments = []
     for key, value in settings.items():
         # Celery splits the key at its first underscore into a namespace and a name.
@@ -80,20 +57,13 @@ def _command_line_settings(settings: Mapping[str, Any]) -> list[str]:
 
 
 class CeleryProcess(ManagedProcess):
-    """``python -m celery -A <app> <arguments>`` as a :class:`ManagedProcess`, run by the
-    caller's Python interpreter.
+    """``python -m celery -A <app> <arguments>`` as a `ManagedProcess` (``**options``: its
+    `ProcessOptions`; the label defaults to the sub-command), run by the caller's interpreter.
 
-    Args:
-        app: what ``celery -A`` takes: ``"proj.celery:app"``, ``"proj.celery"``, ``"proj"``.
-        arguments: the sub-command and its options, e.g. ``["worker", "-P", "solo"]``.
-        settings: Celery settings applied on top of the app's own when the process starts (for
-            the ``worker`` and ``beat`` sub-commands): lower-case names such as
-            ``"redlock_urls"``, JSON values. They go on the command line after ``--``; the
-            ``broker_url`` and ``result_backend`` values also become the process's
-            ``CELERY_BROKER_URL`` and ``CELERY_RESULT_BACKEND``, which Celery reads first.
-        **options: the `ProcessOptions` of :class:`ManagedProcess` (``environment``,
-            ``inherit_environment``, ``python_path``, ``working_directory``, ``log_path``,
-            ``label``; the label defaults to the sub-command).
+    ``settings`` (for ``worker`` and ``beat``) are applied over the app's own: lower-case names
+    such as ``"redlock_urls"``, JSON values, passed on the command line after ``--``;
+    ``broker_url`` and ``result_backend`` also become ``CELERY_BROKER_URL`` and
+    ``CELERY_RESULT_BACKEND``.
 
     Raises:
         ValueError, TypeError: a setting cannot be passed this way (the message says why).
@@ -120,9 +90,7 @@ class CeleryProcess(ManagedProcess):
                 if isinstance(value, str):
                     variables[variable] = value
         options["environment"] = variables
-        options["label"] = options.get("label") or (
-            self._arguments[0] if self._arguments else "celery"
-        )
+        options["label"] = options.get("label") or next(iter(self._arguments), "celery")
         super().__init__(command, **options)
 
     @property
@@ -137,25 +105,11 @@ class CeleryProcess(ManagedProcess):
 
 
 class CeleryWorker(CeleryProcess):
-    """A real ``celery -A <app> worker`` named ``name@<host>`` (prefork by default).
-
-    The worker runs without heartbeat, mingle and gossip (nothing waits on other workers at
-    start) and is started by :meth:`start`; :meth:`wait_ready` returns once it answers
-    ``app.control.ping``. It consumes the app's default queue unless ``queues`` says otherwise.
-
-    Args:
-        app: what ``celery -A`` takes (see :class:`CeleryProcess`).
-        name: the node name, ``name@<this host>``; a name containing ``@`` is used as it is
-            (``%h`` and the like are not expanded).
-        pool: the pool (``-P``): ``prefork``, ``threads``, ``solo``, ...
-        concurrency: pool processes or threads (``-c``).
-        loglevel: ``--loglevel``.
-        queues: queues to consume (``-Q``); by default the app's.
-        arguments: more ``celery worker`` options, placed after these.
-        settings: Celery settings applied on top of the app's (see :class:`CeleryProcess`).
-        **options: the `ProcessOptions` of :class:`ManagedProcess`; the label defaults to the
-            node name.
-    """
+    """A real ``celery -A <app> worker`` (prefork by default) named ``name@<this host>`` (a
+    ``name`` with ``@`` is used as it is), without heartbeat, mingle and gossip. ``pool``,
+    ``concurrency``, ``loglevel`` and ``queues`` (by default the app's) are its ``-P``, ``-c``,
+    ``--loglevel`` and ``-Q``; ``arguments`` are more options; ``settings`` and ``**options`` as
+    for `CeleryProcess` (the label defaults to the node name)."""
 
     def __init__(
         self,
@@ -174,17 +128,8 @@ class CeleryWorker(CeleryProcess):
             raise TypeError("queues and arguments must be sequences, not one string")
         self._hostname = name if "@" in name else f"{name}@{socket.gethostname()}"
         worker_arguments = [
-            "worker",
-            "-P",
-            pool,
-            "-c",
-            str(concurrency),
-            "-n",
-            self._hostname,
-            "--loglevel",
-            loglevel,
-            "--without-heartbeat",
-            "--without-mingle",
+            *("worker", "-P", pool, "-c", str(concurrency), "-n", self._hostname),
+            *("--loglevel", loglevel, "--without-heartbeat", "--without-mingle"),
             "--without-gossip",
         ]
         if queues:
@@ -194,13 +139,11 @@ class CeleryWorker(CeleryProcess):
 
     @property
     def hostname(self) -> str:
-        """The node name, ``name@host``: what ``ping`` replies carry and tasks see as
-        ``self.request.hostname``."""
+        """The node name, ``name@host`` (``self.request.hostname`` in tasks)."""
         return self._hostname
 
     def wait_ready(self, app: Celery, timeout: float = 60.0) -> None:
-        """Return once the worker answers ``app.control.ping`` (``app``: any app on the
-        worker's broker).
+        """Return once the worker answers ``app.control.ping`` (any ``app`` on its broker).
 
         Raises:
             ProcessExitedError: the worker exited meanwhile.
@@ -209,13 +152,11 @@ class CeleryWorker(CeleryProcess):
         wait_for_workers(app, [self], timeout)
 
     def child_pids(self) -> set[int]:
-        """The ids of the worker's direct children (its pool processes), read from ``/proc``;
-        empty where there is no ``/proc``."""
+        """The ids of the worker's direct children (its pool), from ``/proc`` (if any)."""
         children: set[int] = set()
         parent = self.pid
         with contextlib.suppress(OSError):
-            entries = list(Path("/proc").iterdir())
-            for entry in entries:
+            for entry in list(Path("/proc").iterdir()):
                 if not entry.name.isdigit():
                     continue
                 with contextlib.suppress(OSError, IndexError, ValueError):
@@ -228,19 +169,9 @@ class CeleryWorker(CeleryProcess):
 
 
 class CeleryBeat(CeleryProcess):
-    """A real ``celery -A <app> beat`` keeping its schedule state in ``schedule_file``.
-
-    How often it checks the schedule is the app's ``beat_max_loop_interval``.
-
-    Args:
-        app: what ``celery -A`` takes (see :class:`CeleryProcess`).
-        schedule_file: the ``-s`` file (give each beat its own).
-        loglevel: ``--loglevel``.
-        arguments: more ``celery beat`` options, placed after these (``-S`` for a scheduler).
-        settings: Celery settings applied on top of the app's (see :class:`CeleryProcess`).
-        **options: the `ProcessOptions` of :class:`ManagedProcess`; the label defaults to
-            ``beat``.
-    """
+    """A real ``celery -A <app> beat`` keeping its state in ``schedule_file`` (``-s``; give each
+    beat its own); ``arguments`` are more options (``-S`` for a scheduler), ``settings`` and
+    ``**options`` as for `CeleryProcess` (the label defaults to ``beat``)."""
 
     def __init__(
         self,
@@ -263,9 +194,8 @@ class CeleryBeat(CeleryProcess):
 
 
 def wait_for_workers(app: Celery, workers: Iterable[CeleryWorker], timeout: float = 60.0) -> None:
-    """Return once every one of ``workers`` answers ``app.control.ping`` (``app``: any app on
-    their broker). One ping goes to all the workers still silent, and returns as soon as they
-    all reply (or after half a second); there is no sleep between pings.
+    """Return once every one of ``workers`` answers ``app.control.ping`` (any ``app`` on their
+    broker), pinging the silent ones without pause.
 
     Raises:
         ProcessExitedError: a worker exited meanwhile.
@@ -294,23 +224,18 @@ def wait_for_workers(app: Celery, workers: Iterable[CeleryWorker], timeout: floa
 
 @contextlib.contextmanager
 def celery_processes(*, remove_logs: bool = True) -> Iterator[list[ManagedProcess]]:
-    """A list to put started processes in (any `ManagedProcess`, Celery's or not); when the
-    block ends, every one is killed (SIGKILL to its whole group, last added first) and reaped,
-    whatever happened in the block.
-
-    With ``remove_logs`` the processes' log files are deleted too, unless the block raised: the
-    logs of a failure stay for reading.
-    """
+    """A list to put started processes in; when the block ends every one is killed (its whole
+    group, last added first) and reaped, and with ``remove_logs`` its log deleted unless the
+    block raised (a failure's logs stay for reading)."""
     processes: list[ManagedProcess] = []
-    failed = False
     try:
         yield processes
     except BaseException:
-        failed = True
+        remove_logs = False  # a failure's logs stay for reading
         raise
     finally:
         for process in reversed(processes):
             process.kill()
-        if remove_logs and not failed:
+        if remove_logs:
             for process in processes:
                 process.remove_log()

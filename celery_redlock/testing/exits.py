@@ -8,29 +8,29 @@ import select
 import subprocess
 import time
 from collections.abc import Callable, Sequence
-from typing import Protocol
-
-__all__ = ["ExitingProcess", "wait_for_exits"]
 
 _HURRY_CHECK_INTERVAL = 0.05  # how often a wait asks `hurry`
 _EXIT_POLL_INTERVAL = 0.01  # without pidfd (not Linux): how often exits are polled
 
 
-class ExitingProcess(Protocol):
-    """What `wait_for_exits` looks at: a `ManagedProcess`."""
-
-    @property
-    def process(self) -> subprocess.Popen[bytes] | None:
-        """The main process, None before it starts."""
-
-    @property
-    def returncode(self) -> int | None:
-        """The exit status, read without reaping; None while it runs."""
+def exit_status(process: subprocess.Popen[bytes]) -> int | None:
+    """The exit status of ``process`` (negative: killed by that signal), read without reaping
+    it; ``None`` while it runs."""
+    if process.returncode is not None:
+        return process.returncode
+    if not hasattr(os, "waitid"):  # macOS: no waitid, so poll (which reaps)
+        return process.poll()
+    try:
+        result = os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:  # reaped behind our back (os.wait): Popen knows no status
+        return process.poll()
+    if result is None:
+        return None
+    return result.si_status if result.si_code == os.CLD_EXITED else -result.si_status
 
 
 def _exit_descriptor(process: subprocess.Popen[bytes]) -> int | None:
-    """A descriptor that becomes readable when the unreaped ``process`` exits (a Linux pidfd;
-    the caller closes it), or None where there is none or the process was reaped."""
+    """A Linux pidfd of the unreaped ``process`` (the caller closes it), or None."""
     pidfd_open: Callable[[int], int] | None = getattr(os, "pidfd_open", None)
     if pidfd_open is None or process.returncode is not None:
         return None
@@ -41,30 +41,23 @@ def _exit_descriptor(process: subprocess.Popen[bytes]) -> int | None:
 
 
 def wait_for_exits(
-    processes: Sequence[ExitingProcess],
+    processes: Sequence[subprocess.Popen[bytes]],
     timeout: float | None,
     hurry: Callable[[], bool] | None = None,
 ) -> bool:
-    """Wait until every started process has exited, without reaping any; return whether they
-    have. Gives up after ``timeout`` seconds (``None``: never), or as soon as ``hurry()`` is true
-    (asked every few tens of milliseconds).
-
-    On Linux the wait is on the processes' pidfds (woken by the exits themselves); elsewhere the
-    processes are polled.
-    """
+    """Wait until every process has exited, without reaping any; return whether they
+    have. Gives up after ``timeout`` seconds (``None``: never) or once ``hurry()`` is true.
+    On Linux, pidfds wake the wait; elsewhere the processes are polled."""
     deadline = None if timeout is None else time.monotonic() + timeout
     descriptors: dict[int, int] = {}  # index in processes -> pidfd
     try:
         for index, process in enumerate(processes):
-            if process.process is not None:
-                descriptor = _exit_descriptor(process.process)
-                if descriptor is not None:
-                    descriptors[index] = descriptor
+            descriptor = _exit_descriptor(process)
+            if descriptor is not None:
+                descriptors[index] = descriptor
         while True:
             pending = [
-                index
-                for index, process in enumerate(processes)
-                if process.process is not None and process.returncode is None
+                index for index, process in enumerate(processes) if exit_status(process) is None
             ]
             if not pending:
                 return True

