@@ -1,7 +1,6 @@
 """The exception hierarchy: every error raised by celery_redlock derives from `RedlockError`.
 
-Every exception keeps its constructor arguments in ``args`` so it survives pickling and Celery's
-result-backend round trip (a worker must never crash on an exception it cannot serialize).
+Each keeps its constructor arguments in ``args``, so it survives pickling and the result backend.
 """
 
 from __future__ import annotations
@@ -29,10 +28,8 @@ class LockNotAcquired(RedlockError):
 
 
 class DuplicateSkipped(LockNotAcquired):
-    """A task run was skipped because another run holds its lock (``on_duplicate="skip"``).
-
-    It is the result a caller's ``AsyncResult.get()`` raises for a skipped run.
-    """
+    """A task run was skipped because another run holds its lock (``on_duplicate="skip"``): what
+    a caller's ``AsyncResult.get()`` raises for a skipped run."""
 
     def __str__(self) -> str:
         held_by = f" held by {self.holder}" if self.holder else ""
@@ -40,11 +37,8 @@ class DuplicateSkipped(LockNotAcquired):
 
 
 class DuplicateCoalesced(DuplicateSkipped):
-    """A duplicate merged into the pending run ``into`` (``on_duplicate="coalesce"``): that run
-    starts after this one arrived, so it covers this one's work.
-
-    It is the result a caller's ``AsyncResult.get()`` raises for a merged run.
-    """
+    """A duplicate merged into the pending run ``into`` (``on_duplicate="coalesce"``), which
+    starts after this one arrived and so covers its work: what ``AsyncResult.get()`` raises."""
 
     def __init__(self, key: str, holder: str | None = None, into: str | None = None) -> None:
         RedlockError.__init__(self, key, holder, into)
@@ -74,11 +68,8 @@ class AlreadyCompleted(RedlockError):
 
 
 class QuorumUnavailable(RedlockError):
-    """Fewer than a majority of lock nodes answered, so nothing can be decided about ``key``.
-
-    ``reasons`` says, per node that gave no usable answer, why (down, no reply in time, an error
-    reply such as a denied command, a reply the script cannot give, skipped while backed off).
-    """
+    """Fewer than a majority of lock nodes answered, so nothing can be decided about ``key``;
+    ``reasons`` says why, per node that gave no usable answer."""
 
     def __init__(
         self, key: str, answered: int = 0, needed: int = 0, reasons: tuple[str, ...] = ()

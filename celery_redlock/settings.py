@@ -1,10 +1,6 @@
-"""All celery_redlock settings, read once per Celery app into one validated object.
-
-Settings live in ``app.conf`` in lower case (``redlock_urls``); under Django's ``CELERY``
-namespace they are spelled ``CELERY_REDLOCK_URLS`` and so on. Every value is checked here, once:
-a wrong one raises `ConfigurationError` naming the setting and the fix, and a worker with a wrong
-setting refuses to start. A ``redlock_*`` name that is no setting (``redlock_url``) is logged as
-a warning naming the closest known one, or refused with ``redlock_strict_settings``.
+"""All celery_redlock settings (``app.conf.redlock_*``, ``CELERY_REDLOCK_*`` under Django), read
+once per Celery app into one validated object: a wrong value raises `ConfigurationError` naming
+the setting and the fix; an unknown ``redlock_*`` name is logged naming the closest known one.
 """
 
 from __future__ import annotations
@@ -34,10 +30,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, repr=False)
 class RedlockSettings:
-    """The validated ``redlock_*`` settings of one Celery app (defaults beside the names).
-
-    Constructing one validates every field; `from_conf` reads them from a Celery ``app.conf``.
-    """
+    """The validated ``redlock_*`` settings of one Celery app (defaults beside the names):
+    constructing one validates every field; `from_conf` reads them from a Celery ``app.conf``."""
 
     urls: tuple[str, ...] = ()  # redlock_urls; default: the broker URL when it is Redis
     ttl: float = 60.0  # redlock_ttl
@@ -84,15 +78,12 @@ class RedlockSettings:
         if self.unavailable_timeout is not None:
             check_seconds("redlock_unavailable_timeout", self.unavailable_timeout)
         check_seconds("redlock_completed_ttl", self.completed_ttl, allow_zero=True)
-        if (
-            isinstance(self.retry_count, bool)
-            or not isinstance(self.retry_count, int)
-            or self.retry_count < 1
-        ):
-            raise ConfigurationError(
-                "redlock_retry_count (Redlock retry_count) must be a whole number of at least 1 "
-                f"(acquisition attempts per acquire), got {self.retry_count!r}"
-            )
+        check_number(
+            "redlock_retry_count (Redlock retry_count)",
+            self.retry_count,
+            "a whole number of at least 1 (acquisition attempts per acquire)",
+            lambda count: isinstance(count, int) and count >= 1,
+        )
         check_seconds("redlock_retry_delay", self.retry_delay, allow_zero=True)
         check_number(
             "redlock_clock_drift_factor",
@@ -107,16 +98,13 @@ class RedlockSettings:
                 "celery_redlock writes starts with it, and the operators' tools tell locks from "
                 f"other keys by it), got {self.key_prefix!r}"
             )
-        if (
-            isinstance(self.wait_replicas, bool)
-            or not isinstance(self.wait_replicas, int)
-            or self.wait_replicas < 0
-        ):
-            raise ConfigurationError(
-                "redlock_wait_replicas must be a whole number, 0 or more (how many replicas of a "
-                "Cluster or Sentinel lock node must acknowledge a grant before it counts), got "
-                f"{self.wait_replicas!r}"
-            )
+        check_number(
+            "redlock_wait_replicas",
+            self.wait_replicas,
+            "a whole number, 0 or more (how many replicas of a Cluster or Sentinel lock node "
+            "must acknowledge a grant before it counts)",
+            lambda count: isinstance(count, int) and count >= 0,
+        )
         for name in ("username", "password"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
@@ -297,64 +285,53 @@ def check_url(url: object) -> None:
         _check_multi_host_url(url, parts.scheme)
         return
     if parts.scheme not in URL_SCHEMES:
-        raise ConfigurationError(
-            f"redlock_urls: lock node URL {redact_url(url)!r} is not a Redis URL "
-            f"(scheme {parts.scheme!r}); use {example}"
-        )
+        raise _url_error(url, f"is not a Redis URL (scheme {parts.scheme!r}); use {example}")
     if parts.scheme == "unix":
         if not parts.path:
-            raise ConfigurationError(
-                f"redlock_urls: lock node URL {redact_url(url)!r} names no socket path; use unix:///path/redis.sock"
-            )
+            raise _url_error(url, "names no socket path; use unix:///path/redis.sock")
         database = (parse_qs(parts.query).get("db") or ["0"])[0]
     else:
         if not parts.hostname:
-            raise ConfigurationError(
-                f"redlock_urls: lock node URL {redact_url(url)!r} names no host; use redis://host:6379/0"
-            )
+            raise _url_error(url, "names no host; use redis://host:6379/0")
         try:
             parts.port  # noqa: B018 - parsing the port is the check
         except ValueError:
-            raise ConfigurationError(
-                f"redlock_urls: lock node URL {redact_url(url)!r} has an invalid port; use redis://host:6379/0"
-            ) from None
+            raise _url_error(url, "has an invalid port; use redis://host:6379/0") from None
         database = parts.path.lstrip("/") or "0"
     _check_database(url, database)
 
 
+def _url_error(url: str, problem: str) -> ConfigurationError:
+    return ConfigurationError(f"redlock_urls: lock node URL {redact_url(url)!r} {problem}")
+
+
 def _check_database(url: str, database: str) -> None:
     if not database.isdigit():
-        raise ConfigurationError(
-            f"redlock_urls: lock node URL {redact_url(url)!r} names database {database!r}, "
-            "which is not a number; end the URL with the database number, e.g. redis://host:6379/0"
+        raise _url_error(
+            url,
+            f"names database {database!r}, which is not a number; end the URL with the "
+            "database number, e.g. redis://host:6379/0",
         )
 
 
 def _check_multi_host_url(url: str, scheme: str) -> None:
+    cluster_form = "redis+cluster://host:port[,host:port...]"
+    sentinel_form = "redis+sentinel://host:26379[,host:26379...]/<service name>[/<db>]"
+    cluster = scheme in CLUSTER_SCHEMES
     try:
         parts = MultiHostURL.parse(url)
     except ValueError as error:
-        form = (
-            "redis+cluster://host:port[,host:port...]"
-            if scheme in CLUSTER_SCHEMES
-            else "redis+sentinel://host:26379[,host:26379...]/<service name>[/<db>]"
-        )
-        raise ConfigurationError(
-            f"redlock_urls: lock node URL {redact_url(url)!r} cannot be read ({error}); use {form}"
-        ) from None
-    if scheme in CLUSTER_SCHEMES:
+        form = cluster_form if cluster else sentinel_form
+        raise _url_error(url, f"cannot be read ({error}); use {form}") from None
+    if cluster:
         if parts.path.strip("/") not in ("", "0"):
-            raise ConfigurationError(
-                f"redlock_urls: lock node URL {redact_url(url)!r} names a database; a Redis "
-                "Cluster has only database 0: use redis+cluster://host:port[,host:port...]"
+            raise _url_error(
+                url, f"names a database; a Redis Cluster has only database 0: use {cluster_form}"
             )
         return
     service, _, database = parts.path.strip("/").partition("/")
     if not service:
-        raise ConfigurationError(
-            f"redlock_urls: lock node URL {redact_url(url)!r} names no service; use "
-            "redis+sentinel://host:26379[,host:26379...]/<service name>[/<db>]"
-        )
+        raise _url_error(url, f"names no service; use {sentinel_form}")
     _check_database(url, database or "0")
 
 
@@ -399,10 +376,8 @@ def check_number(name: str, value: object, meaning: str, valid: Any) -> None:
 
 def check_seconds(name: str, value: object, allow_zero: bool = False) -> None:
     """Raise `ConfigurationError` unless ``value`` is a positive (or zero) number of seconds."""
-    if allow_zero:
-        check_number(name, value, "a number of seconds, 0 or more", lambda seconds: seconds >= 0)
-    else:
-        check_number(name, value, "a positive number of seconds", lambda seconds: seconds > 0)
+    meaning = "a number of seconds, 0 or more" if allow_zero else "a positive number of seconds"
+    check_number(name, value, meaning, lambda seconds: seconds >= 0 if allow_zero else seconds > 0)
 
 
 def check_boolean(name: str, value: object) -> None:

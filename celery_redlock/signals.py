@@ -1,15 +1,7 @@
-"""Signals sent at every lock state change, for metrics and alerting.
-
-Connect like any Celery signal::
-
-    from celery_redlock.signals import lock_duplicate
-
-    @lock_duplicate.connect
-    def count_duplicate(sender, key, policy, **kwargs):
-        duplicates[sender.name] += 1
-
-``sender`` is the task; every signal carries ``key`` (the Redis key) and ``task_id``. Handlers
-run in the worker process (``lock_lost`` in the lock keeper's thread) and must be quick.
+"""Signals sent at every lock state change, for metrics and alerting; connect like any Celery
+signal (``@lock_duplicate.connect``). ``sender`` is the task; every signal carries ``key`` (the
+Redis key) and ``task_id``. Handlers run in the worker process (``lock_lost`` in the lock
+keeper's thread) and must be quick.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""One ``celery beat`` leader among several: a Redlock lease decides which beat sends the ticks.
-
-Run as many ``celery beat`` processes as availability asks for, each with one of these schedulers;
-the beat holding the lease sends the due tasks, the others send nothing until the lease frees up
-(how: `celery_redlock.beat.leadership`):
+"""One ``celery beat`` leader among several: the beat holding a Redlock lease sends the ticks, the
+others wait for it (how: `celery_redlock.beat.leadership`). Run each beat with one of:
 
 - ``celery_redlock.beat:LeaderScheduler`` — Celery's default scheduler (a shelve file per beat);
 - ``celery_redlock.beat:LeaderDatabaseScheduler`` — django-celery-beat's ``DatabaseScheduler``
@@ -17,23 +14,12 @@ from typing import Any
 from .leadership import SCHEDULE_SUFFIX, EntryRecord, LeaderMixin, LeaderScheduler, newest_records
 
 # LeaderDatabaseScheduler is left out of __all__: it needs Django (see __getattr__).
-__all__ = [
-    "SCHEDULE_SUFFIX",
-    "EntryRecord",
-    "LeaderMixin",
-    "LeaderScheduler",
-    "newest_records",
-]
-
-DJANGO_EXTRA_HINT = "pip install 'celery-redlock[django]'"
+__all__ = ["SCHEDULE_SUFFIX", "EntryRecord", "LeaderMixin", "LeaderScheduler", "newest_records"]
 
 
 def __getattr__(name: str) -> Any:
-    """``LeaderDatabaseScheduler`` (`celery_redlock.beat.django`), imported on first use.
-
-    Raises:
-        ImportError: django-celery-beat is not installed (the message names the extra).
-    """
+    """``LeaderDatabaseScheduler``, imported on first use; an `ImportError` naming the extra
+    to install where Django or django-celery-beat is missing."""
     if name != "LeaderDatabaseScheduler":
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     try:
@@ -44,7 +30,7 @@ def __getattr__(name: str) -> Any:
             raise
         raise ImportError(
             f"celery_redlock.beat:LeaderDatabaseScheduler needs Django and django-celery-beat, "
-            f"and {missing} is not installed: {DJANGO_EXTRA_HINT}",
+            f"and {missing} is not installed: pip install 'celery-redlock[django]'",
             name=missing,
         ) from error
     return LeaderDatabaseScheduler

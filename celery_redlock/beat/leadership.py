@@ -1,23 +1,15 @@
-"""The beat leader's lease (`LeaderMixin`) and its schedule records; `celery_redlock.beat` is the
-public module that offers the schedulers built on them.
+"""The beat leader's lease (`LeaderMixin`) and its schedule records (`celery_redlock.beat` offers
+the schedulers built on them).
 
-One ``celery beat`` leader among several: a Redlock lease decides which beat sends the ticks.
+The beat holding the lease (the *leader*) sends the due tasks; the others (*followers*) wait for
+it to free up. The leader extends the lease while it lives, releases it at shutdown, and stops
+sending as soon as a majority of lock nodes does not confirm an extension.
 
-Run as many ``celery beat`` processes as availability asks for, each with the scheduler
-``celery_redlock.beat:LeaderScheduler`` (or `LeaderMixin` in front of any other scheduler class).
-The beat holding the lease (the *leader*) sends the due tasks; the others (*followers*) send
-nothing and wait for the lease to free up. The leader extends the lease while it lives, releases
-it when it shuts down, and stops sending as soon as an extension is not confirmed by a majority of
-the lock nodes.
-
-Every beat keeps its own schedule state, so a new leader must learn what the old one sent. Before
-the leader sends a tick it records the entry's new ``last_run_at`` and run count on the lock nodes,
-in a write that lands only where the lease key still holds its own token and that must reach a
-majority; only then does it publish. A new leader reads those records from a majority before
-sending anything and continues every entry from there: a tick is never sent by two leaders, and
-interval schedules keep their phase across a hand-over (crontab schedules too). The records live in
-one string key beside the lease (`celery_redlock.lock.keyspace.schedule_key`), without expiry.
-
+Before sending a tick the leader records the entry's new ``last_run_at`` and run count on a
+majority of lock nodes, written only where the lease key still holds its token. A new leader reads
+those records from a majority and continues every entry from there: no tick is sent by two
+leaders, and schedules keep their phase across a hand-over. The records live in one key beside the
+lease (`celery_redlock.lock.keyspace.schedule_key`), without expiry.
 """
 
 from __future__ import annotations
@@ -50,11 +42,7 @@ SCHEDULE_SUFFIX = keyspace.SCHEDULE_SUFFIX  # kept for callers of 0.2
 
 @dataclass(frozen=True)
 class EntryRecord:
-    """What a leader recorded about one schedule entry before sending its tick.
-
-    ``version`` orders records: the leadership term first (each new leader takes one above every
-    term it read), then the lease's fencing token, then the order of writes within the term.
-    """
+    """What a leader recorded about one schedule entry before sending its tick."""
 
     last_run_at: datetime
     total_run_count: int
@@ -64,7 +52,9 @@ class EntryRecord:
 
     @property
     def version(self) -> tuple[int, int, int]:
-        """The record's place in the order of writes (larger is newer)."""
+        """The record's place in the order of writes (larger is newer): the leadership term
+        (each new leader takes one above every term it read), the lease's fencing token, then
+        the order of writes within the term."""
         return (self.term, self.fencing_token, self.sequence)
 
     def to_text(self) -> str:
@@ -87,30 +77,21 @@ class EntryRecord:
             return None
         try:
             fields = json.loads(text)
-            return cls(
-                last_run_at=datetime.fromisoformat(fields["last_run_at"]),
-                total_run_count=int(fields["total_run_count"]),
-                term=int(fields["term"]),
-                fencing_token=int(fields["fence"]),
-                sequence=int(fields["sequence"]),
-            )
+            numbers = [
+                int(fields[name]) for name in ("total_run_count", "term", "fence", "sequence")
+            ]
+            return cls(datetime.fromisoformat(fields["last_run_at"]), *numbers)
         except (ValueError, TypeError, KeyError):
             return None
 
 
 def newest_records(stored_copies: Iterable[object]) -> dict[str, EntryRecord]:
-    """Per entry name, the newest record among the copies read from the nodes.
-
-    Each copy is the stored JSON object (bytes or text; empty when a node has none); copies or
-    records that cannot be read are skipped.
-    """
+    """Per entry name, the newest record among the copies read from the nodes (stored JSON, as
+    bytes or text; empty when a node has none); what cannot be read is skipped."""
     newest: dict[str, EntryRecord] = {}
     for copy in stored_copies:
-        text = copy.decode() if isinstance(copy, bytes) else copy
-        if not isinstance(text, str) or not text:
-            continue
         try:
-            records = json.loads(text)
+            records = json.loads(copy) if isinstance(copy, (str, bytes)) else None
         except ValueError:
             continue
         if not isinstance(records, dict):
@@ -125,11 +106,8 @@ def newest_records(stored_copies: Iterable[object]) -> dict[str, EntryRecord]:
 class LeaderMixin(Scheduler):  # type: ignore[misc]
     """Makes a beat scheduler send ticks only while it holds the beat leader lease.
 
-    Put it first among the bases of any `celery.beat.Scheduler` subclass::
-
-        class LeaderCustomScheduler(LeaderMixin, CustomScheduler): ...
-
-    (`LeaderScheduler` and django-celery-beat's `LeaderDatabaseScheduler` are made so.)
+    Put it first among the bases of any `celery.beat.Scheduler` subclass
+    (``class LeaderCustomScheduler(LeaderMixin, CustomScheduler)``).
 
     Promises: at most one beat of those sharing the lease name sends at any time (as far as
     Redlock's timing assumptions hold); each tick is sent by one beat only, and a new leader
@@ -155,8 +133,6 @@ class LeaderMixin(Scheduler):  # type: ignore[misc]
         self._leader_standing_by = False
         self._leader_unavailable = False
         super().__init__(*args, **kwargs)
-
-    # -- what a scheduler subclass may use or override -------------------------------------
 
     @property
     def is_leader(self) -> bool:
@@ -184,23 +160,15 @@ class LeaderMixin(Scheduler):  # type: ignore[misc]
         return float(min(self.lease_ttl / 3, self.max_interval))
 
     def adopt_entry_state(self, entry: Any, last_run_at: datetime, total_run_count: int) -> None:
-        """Continue ``entry`` from the last tick a leader recorded for it.
-
-        Sets ``last_run_at`` and ``total_run_count`` on the entry in place. Override it for a
-        scheduler whose entries keep them elsewhere too, as `LeaderDatabaseScheduler` does for
-        django-celery-beat's rows (``entry.model``).
-        """
+        """Continue ``entry`` from the last tick a leader recorded for it (sets its
+        ``last_run_at`` and ``total_run_count``); override it where entries keep them elsewhere
+        too, as `LeaderDatabaseScheduler` does."""
         entry.last_run_at = last_run_at
         entry.total_run_count = total_run_count
 
-    # -- celery.beat.Scheduler hooks --------------------------------------------------------
-
     def tick(self, *args: Any, **kwargs: Any) -> float:
         """One pass of beat: keep or seek the lease, and send due tasks only as the leader.
-
-        Returns the seconds beat may sleep before the next pass: for the leader never past the
-        moment its lease must be extended; for a follower 0 after it waited for the lease.
-        """
+        Returns the seconds to sleep: for the leader never past its lease's next extension."""
         if self._leader_lease is not None and time.monotonic() >= self._leader_extend_at:
             self._extend_lease()
         if self._leader_lease is None:
@@ -211,11 +179,8 @@ class LeaderMixin(Scheduler):  # type: ignore[misc]
         return max(0.0, min(delay, self._leader_extend_at - time.monotonic()))
 
     def reserve(self, entry: Any) -> Any:
-        """Advance ``entry`` and, as the leader, record the advance on the lock nodes.
-
-        The tick is cleared for sending only when a majority stored the record under this
-        beat's lease; otherwise leadership is given up and the tick is not sent.
-        """
+        """Advance ``entry`` and, as the leader, record the advance on the lock nodes; unless a
+        majority stored it under this beat's lease, leadership is given up and nothing sent."""
         new_entry = super().reserve(entry)
         self._leader_cleared = new_entry.name if self._record_sent(new_entry) else None
         return new_entry
@@ -258,45 +223,29 @@ class LeaderMixin(Scheduler):  # type: ignore[misc]
             f"(ttl {self.lease_ttl:g}s, {nodes} lock nodes)"
         )
 
-    # -- the lease --------------------------------------------------------------------------
-
     def _seek_lease(self) -> float:
-        """Wait up to `follower_wait` for the lease; take office if it comes. Returns the pause
-        before the next pass."""
+        """Wait up to `follower_wait` for the lease and take office; the pause till next pass."""
         try:
             lease = self._leader_redlock.acquire(
                 self.lease_name,
                 self.lease_ttl,
                 blocking=True,
                 timeout=self.follower_wait,
-                owner=_owner_text(),
+                owner=Owner.here(task=None, task_id=None, role="beat leader").to_text(),
             )
         except QuorumUnavailable as error:
             if not self._leader_unavailable:
-                logger.warning(
-                    "beat leader: cannot seek lease %r on %s pid %d: %s; no beat sends until a "
-                    "majority of lock nodes answers",
-                    self.lease_name,
-                    socket.gethostname(),
-                    os.getpid(),
-                    error,
-                )
+                detail = ": %s; no beat sends until a majority of lock nodes answers"
+                self._log(logging.WARNING, "cannot seek", detail, error)
                 self._leader_unavailable = True
             return self.follower_wait
         self._leader_unavailable = False
         if lease is None:
             if not self._leader_standing_by:
-                logger.info(
-                    "beat leader: standing by on %s pid %d; another beat holds lease %r",
-                    socket.gethostname(),
-                    os.getpid(),
-                    self.lease_name,
-                )
+                self._log(logging.INFO, "standing by for", "; another beat holds it")
                 self._leader_standing_by = True
             return 0.0
-        if not self._take_office(lease):
-            return self.follower_wait
-        return 0.0
+        return 0.0 if self._take_office(lease) else self.follower_wait
 
     def _take_office(self, lease: Lock) -> bool:
         """Continue the schedule from the records, then record it under this lease."""
@@ -316,20 +265,17 @@ class LeaderMixin(Scheduler):  # type: ignore[misc]
             if record is not None:
                 self.adopt_entry_state(entry, record.last_run_at, record.total_run_count)
                 continued += 1
-        self._leader_lease = lease
-        if not self._write_records(list(schedule.values())):
-            self._leader_lease = None
+        if not self._write_records(lease, list(schedule.values())):
             self._give_up(lease, "the schedule records could not be written to a majority")
             return False
+        self._leader_lease = lease
         self._leader_extend_at = time.monotonic() + lease.remaining() / 3
         self._leader_standing_by = False
         self.populate_heap()
-        logger.info(
-            "beat leader: acquired lease %r on %s pid %d (ttl %gs, term %d); %d of %d entries "
-            "continue from the last recorded tick",
-            self.lease_name,
-            socket.gethostname(),
-            os.getpid(),
+        self._log(
+            logging.INFO,
+            "acquired",
+            " (ttl %gs, term %d); %d of %d entries continue from the last recorded tick",
             self.lease_ttl,
             self._leader_term,
             continued,
@@ -358,15 +304,13 @@ class LeaderMixin(Scheduler):  # type: ignore[misc]
         if lease.remaining() <= self.safety_margin:
             self._lose(f"only {lease.remaining():.3f}s of validity left before sending")
             return False
-        if not self._write_records([entry]):
+        if not self._write_records(lease, [entry]):
             self._lose(f"a majority of lock nodes did not record the tick of {entry.name!r}")
             return False
         return True
 
-    def _write_records(self, entries: Iterable[Any]) -> bool:
-        """Store records of ``entries`` under the lease; True if a majority stored them."""
-        lease = self._leader_lease
-        assert lease is not None
+    def _write_records(self, lease: Lock, entries: Iterable[Any]) -> bool:
+        """Store records of ``entries`` under ``lease``; True if a majority stored them."""
         arguments: list[str | int] = [lease.value]
         for entry in entries:
             last_run_at = getattr(entry, "last_run_at", None)
@@ -404,26 +348,14 @@ class LeaderMixin(Scheduler):  # type: ignore[misc]
         lease = self._leader_lease
         self._leader_lease = None
         self._leader_cleared = None
-        logger.warning(
-            "beat leader: lost lease %r on %s pid %d: %s; no longer sending",
-            self.lease_name,
-            socket.gethostname(),
-            os.getpid(),
-            reason,
-        )
+        self._log(logging.WARNING, "lost", ": %s; no longer sending", reason)
         if lease is not None:
             # Where the lease is still ours, freeing it lets any beat (this one too) take over
             # without waiting for it to expire.
             self._leader_redlock.release(lease)
 
     def _give_up(self, lease: Lock, reason: str) -> None:
-        logger.warning(
-            "beat leader: not taking office with lease %r on %s pid %d: %s",
-            self.lease_name,
-            socket.gethostname(),
-            os.getpid(),
-            reason,
-        )
+        self._log(logging.WARNING, "not taking office with", ": %s", reason)
         self._leader_redlock.release(lease)
 
     def _release_at_shutdown(self) -> None:
@@ -439,24 +371,15 @@ class LeaderMixin(Scheduler):  # type: ignore[misc]
             released = redlock.release(lease)
         finally:
             redlock.close()
-        logger.info(
-            "beat leader: released lease %r on %s pid %d%s",
-            self.lease_name,
-            socket.gethostname(),
-            os.getpid(),
-            "" if released else " (it had already expired)",
-        )
+        self._log(logging.INFO, "released", "" if released else " (it had already expired)")
         self._leader_redlock.close()
+
+    def _log(self, level: int, event: str, detail: str = "", *args: object) -> None:
+        """Log ``event`` about the lease, naming this beat's host and pid."""
+        where = "beat leader: " + event + " lease %r on %s pid %d" + detail
+        logger.log(level, where, self.lease_name, socket.gethostname(), os.getpid(), *args)
 
 
 class LeaderScheduler(LeaderMixin, PersistentScheduler):  # type: ignore[misc]
-    """Celery's default scheduler (a shelve file per beat) sending only while it leads.
-
-    Use it with ``celery beat -S celery_redlock.beat:LeaderScheduler`` or
-    ``app.conf.beat_scheduler = "celery_redlock.beat:LeaderScheduler"``.
-    """
-
-
-def _owner_text() -> str:
-    """Who holds the lease, stored beside its token: role, host and process."""
-    return Owner.here(task=None, task_id=None, role="beat leader").to_text()
+    """Celery's default scheduler (a shelve file per beat) sending only while it leads:
+    ``celery beat -S celery_redlock.beat:LeaderScheduler``."""

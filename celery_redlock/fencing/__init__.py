@@ -1,19 +1,11 @@
-"""Fenced writes: the storage refuses a write that carries an older fencing token than the last
-one it accepted for the same resource, atomically with the write.
-
-A lock can be outlived by its holder (a GC pause, swapping, a stopped VM longer than the lock's
-validity): the holder wakes up believing it still holds the lock and writes after the next
-holder did. Every lock handed out carries a `Lock.fencing_token` that grows with each acquisition
-of the same resource; a fenced write stores it beside the data and is performed only where the
-stored one is smaller, in one statement or script. A refused write raises `StaleFence`.
+"""Fenced writes: the storage refuses, atomically with the write, one that carries an older
+fencing token than the last it accepted for the same resource (`StaleFence`), so a holder that
+outlived its lock (a GC pause, a stopped VM) cannot write after the next holder did.
 
 One module per storage, each importable only where its library is installed:
-
-- `celery_redlock.fencing.redis`: a fenced SET / HSET (one script);
-- `celery_redlock.fencing.sql`: SQLAlchemy 2, Core and ORM (PostgreSQL, SQLite);
-- `celery_redlock.fencing.django`: a model field and a queryset method.
-
-Each takes the fence as a `Lock` (a task's ``self.lock``) or as its token, an `int`.
+`celery_redlock.fencing.redis` (SET / HSET), `celery_redlock.fencing.sql` (SQLAlchemy 2 on
+PostgreSQL and SQLite), `celery_redlock.fencing.django` (a model field and queryset methods).
+Each takes the fence as a `Lock` (a task's ``self.lock``) or its `Lock.fencing_token`.
 """
 
 from __future__ import annotations
@@ -49,10 +41,8 @@ class StaleFence(RedlockError):
 
 
 def fencing_token(fence: Fence) -> int:
-    """The fencing token of ``fence``: a `Lock`'s ``fencing_token``, or the positive `int` given.
-
-    Raises `ConfigurationError` for None (a run without a lock) and for a token below 1.
-    """
+    """The fencing token of ``fence``: a `Lock`'s ``fencing_token``, or the positive `int` given;
+    `ConfigurationError` for None (a run without a lock) and for a token below 1."""
     if fence is None:
         raise ConfigurationError(
             "a fenced write needs the lock of the current run, and there is none: the task is "

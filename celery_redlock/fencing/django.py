@@ -1,11 +1,9 @@
-"""Fenced writes with the Django ORM: a `FenceField` on the model, and `FencedQuerySet`'s
-methods (``objects = FencedQuerySet.as_manager()``).
+"""Fenced writes with the Django ORM: a `FenceField` on the model (added by a migration, as any
+field) and `FencedQuerySet`'s methods (``objects = FencedQuerySet.as_manager()``).
 
-One row is one resource; its fence holds the token of the last write accepted for it.
-`FencedQuerySet.fenced_update` is one ``UPDATE ... WHERE fence < token``, so concurrent writers
-are right without ``select_for_update``. Inside ``transaction.atomic()`` a refused write raises
-`StaleFence` and the block's writes roll back with it; add the field with a migration of your
-app (``makemigrations``), as any other field.
+One row is one resource; its fence holds the token of the last write accepted for it. A fenced
+update is one ``UPDATE ... WHERE fence < token`` (no ``select_for_update`` needed); inside
+``transaction.atomic()`` a `StaleFence` rolls the block's writes back.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """Fenced writes to application data in Redis (a Redis of your data, not a lock node).
 
-The fence of a key lives beside it, at ``<key>:fence`` by default (on a Redis Cluster give the
-key a hash tag, ``{account:42}``, so both live in one slot). One script compares the fence with
-the caller's token and writes both, or neither: a fenced write costs the same one round trip as
-the plain SET or HSET.
+The fence of a key lives at ``<key>:fence`` by default (on a Redis Cluster give the key a hash
+tag, ``{account:42}``, to keep both in one slot); one script compares and writes both, or neither.
 """
 
 from __future__ import annotations
@@ -48,7 +46,7 @@ def fenced_set(
     """``SET key value``, only if ``fence``'s token is larger than the one stored for ``key``
     (which it then replaces); raises `StaleFence` otherwise. ``value`` is what redis-py's SET
     takes (bytes, str, int, float)."""
-    _write(client, key, fence, fence_key, "set", [value])
+    _write(client, key, fence, fence_key, "set", value)
 
 
 def fenced_hset(
@@ -64,7 +62,7 @@ def fenced_hset(
     if not mapping:
         raise ValueError("fenced_hset needs at least one field to write")
     items = [part for field_and_value in mapping.items() for part in field_and_value]
-    _write(client, key, fence, fence_key, "hset", items)
+    _write(client, key, fence, fence_key, "hset", *items)
 
 
 def stored_token(client: redis.Redis, key: str, *, fence_key: str | None = None) -> int:
@@ -73,15 +71,10 @@ def stored_token(client: redis.Redis, key: str, *, fence_key: str | None = None)
 
 
 def _write(
-    client: redis.Redis,
-    key: str,
-    fence: Fence,
-    fence_key: str | None,
-    command: str,
-    arguments: list[Any],
+    client: redis.Redis, key: str, fence: Fence, fence_key: str | None, *arguments: Any
 ) -> None:
     token = fencing_token(fence)
-    keys_and_arguments = [key, fence_key or key + FENCE_SUFFIX, token, command, *arguments]
+    keys_and_arguments = [key, fence_key or key + FENCE_SUFFIX, token, *arguments]
     try:
         reply = client.evalsha(FENCED_WRITE.sha, 2, *keys_and_arguments)
     except NoScriptError:

@@ -1,15 +1,9 @@
 """Fenced writes through SQLAlchemy 2 (Core and ORM), on PostgreSQL and SQLite.
 
-A fenced table has a fence column (`fence_column`, a ``BIGINT`` named ``fence`` by default): one
-row is one resource, and its fence holds the token of the last write accepted for it. Each write
-is one statement that compares and writes together, so concurrent writers need no lock of their
-own and nothing else (``SELECT ... FOR UPDATE``, isolation levels) to be right:
-
-- `fenced_upsert`: ``INSERT ... ON CONFLICT (key) DO UPDATE SET ... WHERE fence < :token``;
-- `fenced_update`: ``UPDATE ... SET ... WHERE <yours> AND fence < :token``.
-
-Both run on a `Connection` or an ORM `Session` inside the caller's transaction: a refused write
-raises `StaleFence`, and whatever the transaction wrote before is rolled back with it.
+One row is one resource; its fence column (`fence_column`) holds the token of the last write
+accepted for it. `fenced_upsert` and `fenced_update` each compare and write in one statement
+(``... WHERE fence < :token``), so concurrent writers need no ``SELECT ... FOR UPDATE``. They run
+on a `Connection` or ORM `Session` in the caller's transaction, which a `StaleFence` rolls back.
 """
 
 from __future__ import annotations
@@ -113,7 +107,7 @@ def table_of(table: Table | type[Any]) -> Table:
 
 
 def insert_for(connection: Connection | Session) -> Any:
-    """The ``insert`` of the connection's dialect (it has ``ON CONFLICT``)."""
+    """The ``insert`` of the connection's dialect, with ``ON CONFLICT``."""
     bind = connection.get_bind() if isinstance(connection, Session) else connection
     name = bind.dialect.name
     if name not in INSERTS:
@@ -131,8 +125,7 @@ def refuse(
     token: int,
     fence_name: str,
 ) -> None:
-    """After a write that changed no row: raise `StaleFence` when a row matches (its fence is
-    not smaller than ``token``); a missing row is no refusal."""
+    """After a write that changed no row: `StaleFence` if a row matches (a missing one is fine)."""
     stored = connection.execute(select(func.max(table.c[fence_name])).where(*where)).scalar()
     if stored is not None and stored >= token:
         clauses = " and ".join(readable(clause) for clause in where)
@@ -140,7 +133,7 @@ def refuse(
 
 
 def readable(clause: ColumnElement[bool]) -> str:
-    """The clause with its values in it where they can be written as SQL literals."""
+    """The clause with its values as SQL literals where they have that form."""
     try:
         return str(clause.compile(compile_kwargs={"literal_binds": True}))
     except Exception:  # a value without a literal form: its parameter's name will do
