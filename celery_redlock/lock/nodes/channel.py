@@ -2,15 +2,14 @@
 
 Callers queue commands with the `Slot` each reply goes to; a RESP connection answers in the order
 it was asked, so the replies that arrive are handed to the slots in order. Commands queued while
-another thread is writing go out with its next write: one write carries many callers' commands.
-Only one thread at a time reads (`nodes.reactor`). Commands queued while that
-reader polls, on a connection that owes replies, are left to it: the next reply wakes it, and it
-writes them all at once (`Channel.flush`) — one write, and no thread giving up the GIL to write,
-per command.
+another thread writes go out with its next write. Only one thread at a time reads
+(`nodes.reactor`); commands queued while it polls, on a connection that owes replies, are left
+to it: the next reply wakes it, and it writes them all at once (`Channel.flush`) — one write,
+and no thread giving up the GIL to write, per command.
 
 A slot is answered exactly once: with its own reply, or — when the connection fails or its order
 can no longer be trusted (a write or a read cut short, bytes that are not RESP, more replies than
-commands) — with `NO_REPLY` and the reason. The connection is then closed, every slot still
+commands) — with `NO_REPLY` and the reason; the connection is then closed, every slot still
 waiting on it fails with it, and the next command opens a new one.
 """
 
@@ -36,11 +35,11 @@ IDLE_CHECK_SECONDS = 0.25
 """A connection idle this long is checked for a server that closed it before it is used."""
 
 HUNG_AFTER = 1.0
-"""Seconds a server may owe replies without sending anything before it counts as hung (when
-the node timeout is shorter), and its connection is closed. A server silent for longer than the
-node timeout is backed off, but keeps its connection and its scripts until then; one that keeps
-answering, only late (a fork, an fsync, a busy CPU), is neither backed off nor reconnected to
-by every client at once: its late reply only misses its round."""
+"""Seconds a server may owe replies without sending anything before it counts as hung (when the
+node timeout is shorter) and its connection is closed. Silent for longer than the node timeout,
+it is backed off but keeps its connection and scripts until then; one that keeps answering, only
+late (a fork, an fsync, a busy CPU), is neither backed off nor reconnected to by every client at
+once: its late reply only misses its round."""
 
 
 def hung_after(node_timeout: float) -> float:
@@ -59,9 +58,8 @@ NO_REPLY: Any = _NoReply()
 
 
 def wait_readable(descriptors: Sequence[int], timeout: float) -> list[int]:
-    """The descriptors among ``descriptors`` that are readable within ``timeout`` seconds. Uses
-    ``poll`` where it exists (no limit on descriptor numbers), else ``select`` (eventlet's
-    monkey patching removes ``select.poll``)."""
+    """The descriptors readable within ``timeout`` seconds: by ``poll`` (no limit on descriptor
+    numbers), else ``select`` (eventlet's monkey patching removes ``select.poll``)."""
     if hasattr(select, "poll"):
         poller = select.poll()
         for descriptor in descriptors:
@@ -72,9 +70,8 @@ def wait_readable(descriptors: Sequence[int], timeout: float) -> list[int]:
 
 
 class Waiter(Protocol):
-    """Whoever waits for slots: told about each slot once it is answered (`deliver`, called with
-    the reactor's lock held). What it returns, if anything, is called once that lock is
-    released (work that may block, such as sending a command elsewhere)."""
+    """Whoever waits for slots: told of each once it is answered (with the reactor's lock held);
+    what it returns is called once that lock is released (work that may block)."""
 
     def deliver(self, slot: Slot) -> Callable[[], object] | None:
         """Take note of ``slot``'s reply (or failure)."""
@@ -83,9 +80,7 @@ class Waiter(Protocol):
 class Poller(Protocol):
     """Whoever reads the connections (`nodes.reactor.Reactor`)."""
 
-    polling: bool
-    """True while a reader polls: it writes what was left to it (`Channel.flush`) as soon as
-    the poll ends."""
+    polling: bool  # while a reader polls: it flushes what was left to it once the poll ends
 
 
 class Slot:
@@ -105,10 +100,9 @@ class Slot:
 
 
 class Channel:
-    """One connection to ``endpoint`` for every thread of this process (see the module
-    docstring). ``greeting`` is sent first on every new connection (script loads), and its
-    replies are skipped. With ``poller``, commands queued while it polls, behind replies owed,
-    are left for it to write."""
+    """One connection to ``endpoint`` for every thread of this process. ``greeting`` is sent first
+    on every new connection (script loads), its replies skipped. With ``poller``, commands
+    queued while it polls, behind replies owed, are left for it to write."""
 
     def __init__(
         self,
@@ -140,19 +134,15 @@ class Channel:
         sock = self.socket
         return sock.fileno() if sock is not None else -1
 
-    # -- writing -----------------------------------------------------------------------------
-
     def send(
         self, payload: bytes, slots: Sequence[Slot], late_after: float | None = None
     ) -> list[Slot]:
-        """Queue ``payload``, whose replies go to ``slots`` in order, and write it (with whatever
-        else is queued) unless another thread is writing, which then takes it along, or the
-        poller polls and replies are owed, when it writes it once the next one arrives
-        (`flush`). Connects first when needed. With ``late_after``, a connection whose server
-        has owed replies for that many seconds without sending anything (nothing waits to be
-        read) is failed first: the server is hung.
-        Returns the slots that failed (those of other callers too): they are answered with
-        `NO_REPLY`, and the server is backed off."""
+        """Queue ``payload``, whose replies go to ``slots`` in order, and write it with whatever
+        else is queued, unless another thread writes (it takes it along) or the poller polls
+        while replies are owed (it writes it once the next one arrives: `flush`). Connects
+        first when needed. With ``late_after``, a connection whose server has owed replies for
+        that long without sending anything is failed first: the server is hung.
+        Returns the slots that failed (other callers' too), answered with `NO_REPLY`."""
         queued = False
         generation = -1
         leased: Any = None
@@ -185,7 +175,10 @@ class Channel:
                     try:
                         self._connect_locked()
                     except (RedisClientError, OSError) as error:
-                        return self._fail_slots(slots, error)
+                        self.endpoint.mark_down(time.monotonic(), error)
+                        for slot in slots:
+                            slot.failure, slot.done = self.endpoint.last_error, True
+                        return list(slots)
                     if self.on_connect is not None:
                         self.on_connect()
                 self._last_used = now
@@ -226,8 +219,8 @@ class Channel:
                                 leased.close()
 
     def flush(self) -> list[Slot]:
-        """Write the commands left to the poller (`send`), unless a thread writes now (it takes
-        them along). Returns the slots that failed, as `send` does."""
+        """Write the commands left to the poller, unless a thread writes now (it takes them
+        along). Returns the slots that failed, as `send` does."""
         if not self._outbox or self._writing:
             return []  # read without the lock: a command queued from now on is written anyway
         generation = -1
@@ -262,7 +255,6 @@ class Channel:
                                 leased.close()
 
     def _write_leased(self, sock: Any, generation: int, payload: bytes) -> list[Slot]:
-        """Write ``payload``, then whatever was queued meanwhile, as the connection's writer."""
         while True:
             sock.sendall(payload)
             with self.lock:
@@ -278,10 +270,9 @@ class Channel:
                 outbox.clear()
 
     def _write_failed(self, generation: int, error: BaseException) -> list[Slot]:
-        """A write that failed, or anything that cut the queueing or the writing short (a signal
-        handler raising: a soft time limit, Ctrl-C): part of the commands may have gone out, or
-        none of them with their slots queued. The connection fails; only a failed write is the
-        server's fault (an interruption is raised again)."""
+        """A write that failed, or a signal handler raising (a soft time limit, Ctrl-C) during
+        the queueing or the writing: part of the commands may have gone out. The connection
+        fails; only a failed write is the server's fault (an interruption is raised again)."""
         failing = isinstance(error, (OSError, RedisClientError))
         reason = f"write failed: {describe_failure(error)}" if failing else "interrupted"
         failed = self.fail(generation, reason, back_off=failing)
@@ -311,11 +302,9 @@ class Channel:
             self._outbox.append(b"".join(self.greeting))
 
     def _closed_by_server(self) -> bool:
-        """True if the connection has something to read. From an idle connection that can only
-        be the end of the stream (the server restarted or dropped idle clients).
-
-        A plain socket is peeked at (non-blocking), not polled: under eventlet a second poll of
-        a descriptor the reader polls is an error."""
+        """True if the connection has something to read: from an idle one, only the end of the
+        stream (the server restarted or dropped idle clients). A plain socket is peeked at, not
+        polled: under eventlet a second poll of a descriptor the reader polls is an error."""
         sock = self.socket
         if isinstance(sock, ssl.SSLSocket):
             if sock.pending():
@@ -335,10 +324,10 @@ class Channel:
     # -- reading (one thread at a time: the reactor's reader) --------------------------------
 
     def read(self, descriptor: int, answered: list[Slot]) -> None:
-        """Read what has arrived (called once ``descriptor`` is readable) and add to
-        ``answered`` the slots it answered, or that failed with the connection — as it goes, so
-        that the caller has them even if the read is cut short. Anything that cuts the read
-        short fails the connection: bytes read and not parsed would shift every later reply."""
+        """Read what arrived on ``descriptor``, adding to ``answered`` as it goes (so that the
+        caller has them even if the read is cut short) the slots answered, or failed with the
+        connection. Anything that cuts the read short fails the connection: bytes read and not
+        parsed would shift every later reply."""
         leased: Any = None
         try:
             with self.lock:
@@ -398,20 +387,17 @@ class Channel:
         if any(not isinstance(slot.reply, ErrorReply) for slot in answered[count:]):
             self.endpoint.mark_answered(self._last_received - answered[count].sent_at)
 
-    # -- failing -----------------------------------------------------------------------------
-
     def fail(self, generation: int, reason: object, back_off: bool = True) -> list[Slot]:
-        """Close the connection of ``generation`` (if it is still the current one), back the
-        server off (unless the fault was not the server's), and answer every slot waiting on it
-        with `NO_REPLY`; returns those slots."""
+        """Close the connection of ``generation`` if still current, back the server off (if the
+        fault was its own), and answer every slot waiting with `NO_REPLY`; returns those."""
         with self.lock:
             if generation != self.generation:
                 return []
             return self._fail_locked(reason, back_off)
 
     def silent_for(self, now: float, seconds: float) -> bool:
-        """True if the server has owed replies for ``seconds`` without sending anything (none
-        wait to be read): a server that is slow but answering is not silent, a hung one is."""
+        """True if the server has owed replies for ``seconds`` without sending anything: one
+        slow but answering is not silent, a hung one is."""
         with self.lock:
             return self._silence_locked(now) >= seconds and not self._closed_by_server()
 
@@ -422,17 +408,14 @@ class Channel:
 
     def fail_if_late(self, now: float, timeout: float) -> list[Slot]:
         """Fail the connection if its server has owed replies for more than ``timeout`` seconds
-        without sending anything (it is hung or far away); returns the slots that failed."""
+        without sending anything (hung or far away); returns the slots that failed."""
         with self.lock:
             if self._silence_locked(now) <= timeout or self._closed_by_server():
-                # Readable: the replies are there, unread (nobody waited for them); the next
-                # reader takes them in.
-                return []
+                return []  # readable: replies nobody waited for, which the next reader takes
             return self._fail_locked(f"no reply within {timeout}s")
 
     def close(self) -> list[Slot]:
-        """Close the connection (the next command opens a new one); returns the slots that were
-        still waiting, answered with `NO_REPLY`."""
+        """Close the connection; returns the slots still waiting, answered with `NO_REPLY`."""
         with self.lock:
             slots = list(self._pending)
             self._close_locked()
@@ -473,10 +456,3 @@ class Channel:
                     socket.socket.shutdown(sock, socket.SHUT_RDWR)  # the TLS object stays
                 else:
                     sock.shutdown(socket.SHUT_RDWR)
-
-    def _fail_slots(self, slots: Sequence[Slot], error: object) -> list[Slot]:
-        self.endpoint.mark_down(time.monotonic(), error)
-        for slot in slots:
-            slot.failure = self.endpoint.last_error
-            slot.done = True
-        return list(slots)

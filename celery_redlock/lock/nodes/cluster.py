@@ -1,12 +1,11 @@
 """A Redis Cluster (or Valkey cluster) as one member of the quorum (`ClusterNode`).
 
-Every key of one lock carries the lock's hash tag (`keyspace`), so every key of
-one lock lives in one hash slot and one script can touch them together. A command goes to the
-master serving its key's slot, by the slot map (``CLUSTER SLOTS``); a ``MOVED`` reply updates the
-map for that slot and sends the command on, an ``ASK`` reply sends it once to the importing
-master after ``ASKING`` (a slot being migrated). After a failure or a ``MOVED``, the whole map is
-read again in the background. Locks spread over the shards, so a cluster serves as many locks
-as its masters together.
+Every key of one lock carries the lock's hash tag (`keyspace`), so they live in one hash slot and
+one script can touch them together. A command goes to the master serving its key's slot, by the
+slot map (``CLUSTER SLOTS``); a ``MOVED`` reply updates the map for that slot and sends the
+command on, an ``ASK`` reply sends it once to the importing master after ``ASKING`` (a slot being
+migrated). After a failure or a ``MOVED``, the whole map is read again in the background. Locks
+spread over the shards: a cluster serves as many locks as its masters together.
 """
 
 from __future__ import annotations
@@ -24,9 +23,8 @@ SLOTS = REDIS_CLUSTER_HASH_SLOTS
 
 
 class ClusterNode(LockNode):
-    """A Redis Cluster, reached through ``seeds`` (the servers its URL lists), counted as one
-    member of the quorum. ``wait_replicas``: a grant counts once that many replicas of the
-    slot's master acknowledged it."""
+    """A Redis Cluster, reached through ``seeds`` (the servers its URL lists), as one member of
+    the quorum; a grant counts once ``wait_replicas`` replicas of its master acknowledged it."""
 
     def __init__(self, url: str, seeds: list[Endpoint], wait_replicas: int = 0) -> None:
         self.name = redact_url(url)
@@ -79,10 +77,9 @@ class ClusterNode(LockNode):
         self.locator.relocate()  # a master that fails may have been replaced by its replica
 
     def _read_slot_map(self) -> None:
-        """Read ``CLUSTER SLOTS`` from the first server that answers, of the seeds and every
-        master known (asked at once)."""
+        """Read ``CLUSTER SLOTS`` from the first to answer of the seeds and known masters."""
         candidates = list(dict.fromkeys([*self.seeds, *self.servers.all()]))
-        self._slots = first_answer(candidates, self._slot_map_of, lambda server: server.name)
+        self._slots = first_answer(candidates, self._slot_map_of)
 
     def _slot_map_of(self, server: Endpoint) -> list[Endpoint | None]:
         with server.client() as client:

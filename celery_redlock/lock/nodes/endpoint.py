@@ -1,6 +1,5 @@
 """One Redis server as the nodes layer reaches it: how to open an authenticated connection to it
-(TCP, TLS or a unix socket, through redis-py's connection classes), and whether it is backed off
-after a failure.
+(TCP, TLS or a unix socket, through redis-py's connection classes), and its back-off.
 
 A failure backs the server off for 0.25 s, doubling up to 0.5 s while it keeps failing; once that
 passes, a background thread probes it (connect, PING) and rounds take it back when it answers.
@@ -31,12 +30,7 @@ import redis
 from redis._parsers import _RESP2Parser
 from redis.backoff import NoBackoff
 from redis.connection import AbstractConnection, Connection, ConnectionPool
-from redis.exceptions import (
-    ClusterDownError,
-    OutOfMemoryError,
-    ResponseError,
-    TryAgainError,
-)
+from redis.exceptions import ClusterDownError, OutOfMemoryError, ResponseError, TryAgainError
 from redis.exceptions import RedisError as RedisClientError
 from redis.retry import Retry
 
@@ -69,9 +63,8 @@ _DENIED = ("NOPERM", "can't run this command", "No permissions to access", "ACL 
 
 
 def describe_failure(reason: object, user: str | None = None) -> str:
-    """A one-line account of why a server gave no usable reply. A denied command names the
-    command and the ACL rule that grants ``user`` (when known) it, instead of looking like a
-    network failure."""
+    """A one-line account of why a server gave no usable reply; a denied command names the ACL
+    rule that grants it to ``user``, instead of looking like a network failure."""
     text = str(reason)
     if not any(marker in text for marker in _DENIED):
         return text
@@ -105,8 +98,8 @@ _NO_CLIENT_SETINFO = _no_client_setinfo()
 
 
 class OwnPoolClient(redis.Redis):
-    """A redis-py client that owns its connection pool: ``close()`` (and leaving a ``with``
-    block) also closes the pool's connections, which redis-py 5.0's ``close()`` leaves open."""
+    """A redis-py client whose ``close()`` (and ``with`` block) also closes its pool's
+    connections, which redis-py 5.0's ``close()`` leaves open."""
 
     def close(self) -> None:
         """Return the client's connection and close every connection of its pool."""
@@ -118,9 +111,8 @@ def connection_options(
     url: str, node_timeout: float, username: str | None = None, password: str | None = None
 ) -> tuple[type[AbstractConnection], dict[str, Any]]:
     """redis-py's connection class and keyword arguments for a ``redis://``, ``rediss://`` or
-    ``unix://`` URL, with ``node_timeout`` for connecting and every read, no retries, RESP2 (read
-    by redis-py's Python parser) and no CLIENT SETINFO. ``username`` and ``password`` apply
-    when the URL names no credentials."""
+    ``unix://`` URL: ``node_timeout`` for connecting and every read, no retries, RESP2, no
+    CLIENT SETINFO; ``username`` and ``password`` where the URL names no credentials."""
     credentials = {} if has_credentials(url) else {"username": username, "password": password}
     try:
         pool = ConnectionPool.from_url(
@@ -150,9 +142,8 @@ def connection_options(
 
 
 class Endpoint:
-    """One Redis server: its address and connection options, and its health in this process.
-
-    ``name`` is the server as it may be shown (passwords redacted)."""
+    """One Redis server: its connection options, and its health in this process. ``name`` is
+    the server as it may be shown (passwords redacted)."""
 
     def __init__(
         self, name: str, connection_class: type[AbstractConnection], options: dict[str, Any]
@@ -182,11 +173,7 @@ class Endpoint:
 
     @classmethod
     def from_url(
-        cls,
-        url: str,
-        node_timeout: float,
-        username: str | None = None,
-        password: str | None = None,
+        cls, url: str, node_timeout: float, username: str | None = None, password: str | None = None
     ) -> Endpoint:
         """The server a ``redis://``, ``rediss://`` or ``unix://`` URL names."""
         connection_class, options = connection_options(url, node_timeout, username, password)
@@ -210,8 +197,8 @@ class Endpoint:
         return (str(host), int(port)) if host is not None and port is not None else None
 
     def open_socket(self) -> socket.socket:
-        """A new connected, authenticated socket (TLS already negotiated), in blocking mode with
-        the node timeout. Raises redis-py's errors or `OSError`."""
+        """A new connected, authenticated socket (TLS negotiated), blocking, with the node
+        timeout. Raises redis-py's errors or `OSError`."""
         connection = self.connection_class(**self.options)
         taken: Any = connection
         try:
@@ -228,16 +215,13 @@ class Endpoint:
         return sock
 
     def client(self, timeout: float | None = None) -> redis.Redis:
-        """A plain redis-py client for this server (administration, tests), by default with the
-        node's own timeouts."""
+        """A plain redis-py client for this server, by default with the node's timeouts."""
         options = dict(self.options)
         if timeout is not None:
             options.update(socket_timeout=timeout, socket_connect_timeout=timeout)
         return OwnPoolClient(
             connection_pool=ConnectionPool(connection_class=self.connection_class, **options)
         )
-
-    # -- health ------------------------------------------------------------------------------
 
     def is_backed_off(self, now: float) -> bool:
         """True while the server is skipped after a failure (starting a probe once it is due)."""
@@ -279,7 +263,6 @@ class Endpoint:
                 self._start_probe()  # owed while this probe was finishing
 
     def _probe_once(self) -> bool:
-        """Connect, PING, and send what is owed; True if the server answered all of it."""
         timeout = max(self.timeout, PROBE_TIMEOUT_SECONDS)
         options = {**self.options, "socket_timeout": timeout, "socket_connect_timeout": timeout}
         connection = self.connection_class(**options)
@@ -306,13 +289,10 @@ class Endpoint:
         self._suspect = False
         return True
 
-    # -- clean-ups owed ----------------------------------------------------------------------
-
     def owe(self, packed: bytes, until: float) -> None:
-        """Send ``packed`` (a clean-up: an owner-checked delete, harmless when run again) to the
-        server once it answers again, unless the monotonic clock has passed ``until`` by then
-        (what it removes has expired). For a clean-up the server was not sent, or whose reply
-        never came: the server may still run what it was sent before."""
+        """Send ``packed`` (a clean-up, harmless when run again) to the server once it answers
+        again, unless ``until`` (monotonic) has passed by then: for a clean-up it was not sent,
+        or did not answer, as it may still run what it was sent before."""
         with self._debts():  # `forgive` may be going through them in another thread
             owed = self._owed
             if len(owed) >= MAX_OWED:
@@ -354,9 +334,8 @@ class Endpoint:
         return len(self._owed)
 
     def _debts(self) -> threading.Lock:
-        """The lock under which clean-ups are taken for payment or forgiven. A child process gets
-        a new one (another thread may have held it at the fork), and owes again what the parent
-        was sending."""
+        """The lock over the clean-ups. A child process gets a new one (another thread may have
+        held it at the fork), and owes again what the parent was sending."""
         pid = os.getpid()
         if self._debts_pid != pid:
             self._debts_guard = threading.Lock()
@@ -374,8 +353,8 @@ class Endpoint:
             return bool(owed)
 
     def _pay(self, connection: AbstractConnection) -> None:
-        """Send every clean-up still needed on ``connection`` (a new one, which the server reads
-        after what the old connections hold) and read their replies; any that fail stay owed."""
+        """Send every clean-up still needed on ``connection`` (a new one: the server reads it
+        after what the old connections hold); any that fail stay owed."""
         owed, now = self._owed, time.monotonic()
         with self._debts():
             batch = [owed.popleft() for _ in range(len(owed))]
@@ -451,9 +430,9 @@ class Endpoint:
 
 
 class KnownServers:
-    """The servers a member has learned of (a cluster's masters, the masters its sentinels
-    named), one `Endpoint` per address, kept with its health and its connection however often
-    the member learns of it again. New ones take the connection options of ``template``."""
+    """The servers a member has learned of, one `Endpoint` per address, kept with its health and
+    connection however often the member learns of it again; new ones take ``template``'s
+    connection options."""
 
     def __init__(self, template: Endpoint, known: Iterable[Endpoint] = ()) -> None:
         self.template = template

@@ -1,20 +1,13 @@
 """The members of one `Redlock`'s quorum, and one round over all of them (`NodeGroup.run`).
 
-A *round* sends one script call to every member at once and collects the replies as they
-arrive, so its latency is that of the quorum-th fastest member, not the sum of all round trips.
-Every member is bounded by ``node_timeout``. A member that fails, does not answer in time, or
-answers with an error (out of memory, read-only, missing ACL permission, still loading...) or
-with a reply its script cannot give, is backed off: skipped without any network traffic and
-probed again from a background thread.
-
-Connections are per process, not per thread: every thread and greenlet of a process shares one
-connection per server (`nodes.channel`), and the waiting threads take turns
-reading them (`nodes.reactor`). After a fork the child opens its own.
+A round's latency is that of the quorum-th fastest member, each bounded by ``node_timeout``
+(`nodes.round`). A member that fails, is late, or answers with an error or a reply its script
+cannot give is backed off: skipped without network traffic, and probed again from a background
+thread (`nodes.endpoint`).
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 import weakref
@@ -26,8 +19,6 @@ from .members import LockNode
 from .reactor import Connections, Waiting
 from .round import Judge, Members, Round, RoundResult, ScriptHeads, patience
 from .subscriber import Subscriber
-
-logger = logging.getLogger(__name__)
 
 
 class NodeGroup:
@@ -53,11 +44,6 @@ class NodeGroup:
         # Closed when the group is dropped (its Redlock gone), not left to the garbage collector.
         weakref.finalize(self, connections.dispose)
         return connections
-
-    @property
-    def names(self) -> list[str]:
-        """The members, passwords redacted."""
-        return [node.name for node in self.nodes]
 
     def connections(self) -> Connections:
         """This process's connections (new ones in a forked child)."""
@@ -85,18 +71,16 @@ class NodeGroup:
         grants: bool = False,
         owed_for: float = 0.0,
     ) -> RoundResult:
-        """Run ``script`` on every member at once and collect replies until the outcome is known.
+        """Run ``script`` on every member at once; collect replies until the outcome is known.
 
-        ``judge`` says what each reply means (`Judge`). The outcome is known when a quorum
-        succeeded, when a quorum can no longer succeed, or when ``node_timeout`` has passed;
-        with ``every=True`` only when every member answered or timed out (operators' commands
-        that report per member). With ``wait=False`` the commands are only sent: their replies
-        are read by a later round's reader and checked then (an error reply backs the server
-        off, and is logged). ``grants``: the script grants a lock, which members with
-        ``wait_replicas`` confirm only once replicas acknowledged it. ``owed_for``: the script
-        is a clean-up (an owner-checked delete) of keys that may live this many seconds; a
-        member that is backed off or gives no reply gets it once it answers again (a stalled
-        server runs what it was sent before when it resumes).
+        ``judge`` says what each reply means. The outcome is known when a quorum succeeded, when
+        one no longer can, or when ``node_timeout`` has passed; with ``every=True`` only when
+        every member answered or timed out. With ``wait=False`` the commands are only sent: a
+        later round's reader reads their replies and checks them then. ``grants``: the script
+        grants a lock, which members with ``wait_replicas`` confirm only once replicas
+        acknowledged it. ``owed_for``: the script is a clean-up of keys that may live this many
+        seconds; a member that is backed off or gives no reply gets it once it answers again (a
+        stalled server runs what it was sent before when it resumes).
         """
         members = Members(self.nodes, self.node_timeout, self.connections(), self.script_head)
         owed_until = time.monotonic() + owed_for if owed_for > 0 else 0.0
@@ -115,8 +99,8 @@ class NodeGroup:
         return round_.finish()
 
     def forgive(self, key: str, value: str) -> None:
-        """Drop the clean-ups owed for ``value`` at ``key``, as a round is about to set it (a
-        server one of them is still on its way to is backed off: `Endpoint.forgive`)."""
+        """Drop the clean-ups owed for ``value`` at ``key``, as a round is about to set it
+        (`Endpoint.forgive`)."""
         encoded = value.encode()
         for node in self.nodes:
             endpoint = node.endpoint_for(key)
@@ -129,8 +113,8 @@ class NodeGroup:
 
 
 class ReleaseListener(Waiting):
-    """Subscriptions to a lock's release channel on every reachable member, for blocking waits:
-    one shared subscriber connection per server and process, whoever listens."""
+    """Subscriptions to a lock's release channel on every reachable member, for blocking
+    waits."""
 
     def __init__(self, group: NodeGroup, connections: Connections, channel: str) -> None:
         super().__init__()

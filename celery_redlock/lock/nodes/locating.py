@@ -15,26 +15,22 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from ...errors import RedlockError
+from .endpoint import Endpoint
 
 logger = logging.getLogger(__name__)
 
 RELOCATE_INTERVAL_SECONDS = 0.25
 
-Candidate = TypeVar("Candidate")
 Answer = TypeVar("Answer")
 
 
-def first_answer(
-    candidates: Sequence[Candidate],
-    ask: Callable[[Candidate], Answer],
-    name: Callable[[Candidate], str],
-) -> Answer:
+def first_answer(candidates: Sequence[Endpoint], ask: Callable[[Endpoint], Answer]) -> Answer:
     """Ask every candidate at once (a thread each) and return the first answer; ``ask`` raises
     when a candidate has none. One that hangs delays nothing. Raises `RedlockError` naming each
     candidate's failure when none answers."""
-    answers: queue.Queue[tuple[Candidate, Answer | None, str]] = queue.Queue()
+    answers: queue.Queue[tuple[Endpoint, Answer | None, str]] = queue.Queue()
 
-    def run(candidate: Candidate) -> None:
+    def run(candidate: Endpoint) -> None:
         try:
             answers.put((candidate, ask(candidate), ""))
         except Exception as error:
@@ -47,7 +43,7 @@ def first_answer(
         candidate, answer, error = answers.get()
         if answer is not None:
             return answer
-        errors.append(f"{name(candidate)}: {error}")
+        errors.append(f"{candidate.name}: {error}")
     raise RedlockError("; ".join(errors) or "nobody to ask")
 
 

@@ -1,10 +1,12 @@
 """The members of a quorum (`LockNode`): what one entry of ``redlock_urls`` stands for, and where
 a command on a key goes. A standalone server (`StandaloneNode`) is one endpoint; a Redis Cluster
-(`nodes.cluster`) routes each key to the master of its hash slot; a
-Sentinel-managed master (`nodes.sentinel`) is whichever server the sentinels name.
+(`nodes.cluster`) routes each key to the master of its hash slot; a Sentinel-managed master
+(`nodes.sentinel`) is whichever server the sentinels name.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import redis
 
@@ -12,15 +14,12 @@ from .endpoint import Endpoint
 from .resp import ErrorReply
 
 
-class Redirect:
+class Redirect(NamedTuple):
     """Where to send a command again after an error reply: to ``endpoint``, after ``ASKING`` when
     ``asking`` (a slot being migrated)."""
 
-    __slots__ = ("asking", "endpoint")
-
-    def __init__(self, endpoint: Endpoint, asking: bool = False) -> None:
-        self.endpoint = endpoint
-        self.asking = asking
+    endpoint: Endpoint
+    asking: bool = False
 
 
 class LockNode:
@@ -42,8 +41,7 @@ class LockNode:
         raise NotImplementedError
 
     def locating_error(self) -> str:
-        """Why `endpoint_for` knows no server (the member could not find out where its keys
-        live)."""
+        """Why `endpoint_for` knows no server."""
         return "its servers are not located yet"
 
     def redirect(self, reply: ErrorReply, endpoint: Endpoint) -> Redirect | None:
@@ -61,14 +59,11 @@ class LockNode:
         master that fails may have been replaced by its replica)."""
 
     def client(self, timeout: float | None = None) -> redis.Redis:
-        """A plain redis-py client of the member's first server (administration, tests)."""
+        """A plain redis-py client of the member's first server."""
         endpoints = self.endpoints()
         if not endpoints:
             raise ConnectionError(f"lock node {self.name} has no reachable server yet")
         return endpoints[0].client(timeout)
-
-    def close(self) -> None:
-        """Stop what the member runs in the background."""
 
 
 class StandaloneNode(LockNode):

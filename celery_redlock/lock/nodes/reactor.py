@@ -5,11 +5,10 @@ A thread that waits for replies (a `Waiting`) becomes the *reader* when nobody e
 it polls every connection of the process, reads what arrives and hands each reply to the slot it
 answers; the waiter of that slot is woken only once what it waits for is complete. When its own
 wait is over, the reader passes the role to one thread still waiting. A thread on its own is
-always the reader — no hand-off, no extra thread — and many threads share the reads of one
-connection. Commands queued while the reader polls, on connections that owe replies, are written
-by the reader when its poll ends (`nodes.channel.Channel.flush`): a reply that
-wakes it writes the next commands of many threads at once. There is no thread per call and no
-background reader: with gevent or eventlet, the waiting greenlets take turns the same way.
+always the reader — no hand-off, no extra thread. Commands queued while the reader polls, on
+connections that owe replies, are written by the reader when its poll ends (`Channel.flush`).
+There is no thread per call and no background reader: with gevent or eventlet, the waiting
+greenlets take turns the same way.
 
 Everything that waits here has a deadline; a deadline that passes wakes its waiter whatever the
 others do. After a fork, the child has a reactor of its own (`nodes.group`).
@@ -21,8 +20,7 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable
-from typing import Protocol
+from collections.abc import Iterable
 
 from ..scripts import LOADED_ON_CONNECT
 from .channel import Channel, Slot, wait_readable
@@ -33,8 +31,8 @@ from .subscriber import Subscriber
 
 class Waiting:
     """Something a thread waits for (a round of replies, a release notification). Subclasses
-    call `satisfy` (with the reactor's lock held) once it is complete; `deliver` is told of
-    each answered slot of theirs."""
+    define `deliver`, told of each answered slot of theirs, and call `satisfy` (with the
+    reactor's lock held) once it is complete."""
 
     def __init__(self) -> None:
         self.satisfied = False
@@ -42,10 +40,6 @@ class Waiting:
         self.asleep = False  # its thread sleeps (or is about to): only then is it woken
         self._wakeup = threading.Lock()
         self._wakeup.acquire()
-
-    def deliver(self, slot: Slot) -> Callable[[], object] | None:
-        """Take note of one answered slot (the reactor's lock is held)."""
-        return None
 
     def satisfy(self) -> None:
         """Mark the wait complete and wake its thread."""
@@ -67,25 +61,7 @@ class Waiting:
 
     def sleep(self, timeout: float) -> None:
         """Sleep until woken or ``timeout`` seconds pass."""
-        if self._wakeup.acquire(timeout=max(timeout, 0.0)):
-            return
-
-
-class Readable(Protocol):
-    """A connection the reactor reads: a `Channel`, or a subscriber connection."""
-
-    def fileno(self) -> int:
-        """Its descriptor, -1 while closed."""
-
-    def read(self, descriptor: int, answered: list[Slot]) -> None:
-        """Read what arrived on ``descriptor``, adding the slots it answered to ``answered``."""
-
-
-class Writable(Protocol):
-    """A connection that leaves commands to the reader while it polls: a `Channel`."""
-
-    def flush(self) -> list[Slot]:
-        """Write the commands left to the reader; returns the slots that failed."""
+        self._wakeup.acquire(timeout=max(timeout, 0.0))
 
 
 class Reactor:
@@ -93,8 +69,8 @@ class Reactor:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.channels: list[Readable] = []
-        self.writers: list[Writable] = []
+        self.channels: list[Channel | Subscriber] = []
+        self.writers: list[Channel] = []
         self.polling = False  # a reader polls: it flushes the writers once the poll ends
         self._reading = False
         self._waiting: dict[Waiting, None] = {}  # those asleep or about to be, in order
@@ -103,7 +79,7 @@ class Reactor:
         os.set_blocking(self._wake_reader_read, False)
         os.set_blocking(self._wake_reader_write, False)
 
-    def add_channel(self, channel: Readable, writer: Writable | None = None) -> None:
+    def add_channel(self, channel: Channel | Subscriber, writer: Channel | None = None) -> None:
         """Read ``channel`` too from now on; ``writer`` (the channel itself, when it leaves
         commands to the reader) is flushed after every poll."""
         with self.lock:
@@ -133,9 +109,8 @@ class Reactor:
         """Wait until ``waiting`` is satisfied (True), calls for attention, or ``deadline``
         (``time.monotonic()``) passes, reading for everybody while nobody else does.
 
-        Safe against an exception raised at any point by a signal handler (a soft time limit):
-        the reading role is always given back, and the waiter taken off the list, on the way
-        out, where the reading is handed over once."""
+        Safe against a signal handler raising at any point (a soft time limit): on the way out
+        the reading role is always given back, and the waiter taken off the list."""
         reading = looked = left = False
         try:
             while True:
@@ -176,8 +151,8 @@ class Reactor:
                     self._leave_locked(waiting)
 
     def _leave_locked(self, waiting: Waiting) -> None:
-        """``waiting``'s thread stops waiting: off the list, and the reading handed over if
-        nobody reads (it may have been woken to take it over)."""
+        """Off the list, and the reading handed over if nobody reads (``waiting``'s thread may
+        have been woken to take it over)."""
         waiting.asleep = False
         self._waiting.pop(waiting, None)
         self._hand_over_locked()

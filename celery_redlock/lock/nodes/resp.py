@@ -18,8 +18,8 @@ script (whose replies are a few hundred bytes), and is not buffered for ever."""
 
 
 def pack_arguments(*arguments: str | int | bytes) -> bytes:
-    """The arguments of a command as RESP bulk strings, without the array header: a part that
-    several commands share (a script's ``EVALSHA <sha>``) is encoded once (`pack_command`)."""
+    """The arguments as RESP bulk strings, without the array header: for a part that several
+    commands share (a script's ``EVALSHA <sha>``), encoded once (`pack_command`)."""
     parts = []
     for argument in arguments:
         if argument.__class__ is not bytes:
@@ -115,14 +115,12 @@ class PythonReplyParser:
         self._position = 0
 
     def feed(self, data: bytes) -> None:
-        """Add bytes read from the connection."""
         if self._position:
             del self._buffer[: self._position]
             self._position = 0
         self._buffer += data
 
     def next_reply(self) -> Any:
-        """The next complete reply, or `INCOMPLETE`."""
         if self._position >= len(self._buffer):
             return INCOMPLETE
         try:

@@ -1,13 +1,12 @@
 """One round: a script call on every member of a quorum at once, and its replies as they arrive
-(`Round`). Its latency is that of the quorum-th fastest member; each member is bounded by
-``node_timeout``; a member whose key moved is followed (MOVED, ASK), a server that lost its
-scripts gets the source (NOSCRIPT); a reply that is an error, or one the script cannot give,
-counts as no answer and backs the server off.
+(`Round`). A member whose key moved is followed (MOVED, ASK), a server that lost its scripts gets
+the source (NOSCRIPT); an error reply, or one the script cannot give, counts as no answer and
+backs the server off.
 
-A round nobody waits for (``attended=False``: a release at the end of a task run, the clean-up of
-an attempt that failed) is only sent; its replies are read by whichever thread reads next and
-checked then, the same way, and a key that moved is followed from there. A server that is backed
-off, or gives no reply, is owed a clean-up (`Endpoint.owe`): it gets it once it answers again."""
+A round nobody waits for (``attended=False``: a release at the end of a run, the clean-up of a
+failed attempt) is only sent; whichever thread reads next checks its replies the same way, and
+follows a key that moved from there. A server that is backed off, or gives no reply, is owed a
+clean-up (`Endpoint.owe`): it gets it once it answers again."""
 
 from __future__ import annotations
 
@@ -52,9 +51,9 @@ def patience(node_timeout: float, lateness: list[float], quorum: int) -> float:
 
 @dataclass
 class RoundResult:
-    """What one round learned: each member's reply (``NO_REPLY`` where there was none usable),
-    how many members answered (error replies and replies the script cannot give are not
-    answers), how many succeeded, and for each member without a usable reply why (else None)."""
+    """What one round learned: each member's reply (``NO_REPLY`` where none was usable), how many
+    members answered (error replies and replies the script cannot give are not answers), how
+    many succeeded, and for each member without a usable reply why (else None)."""
 
     replies: list[Any]
     successes: int
@@ -85,8 +84,7 @@ class NodeCall:
 
 
 class ScriptHeads:
-    """``EVAL <source>`` or ``EVALSHA <sha>`` of each script, packed once (`pack_arguments`);
-    called as ``heads(script, by_source)``."""
+    """``EVAL <source>`` (``by_source``) or ``EVALSHA <sha>`` of each script, packed once."""
 
     def __init__(self) -> None:
         self._heads: dict[tuple[str, bool], bytes] = {}
@@ -101,9 +99,7 @@ class ScriptHeads:
 
 @dataclass(frozen=True)
 class Members:
-    """What a round needs of its group: the members, their node timeout, this process's
-    connections to them, and a script call's packed head (``EVAL <source>`` when the flag is
-    set, else ``EVALSHA <sha>``)."""
+    """What a round needs of its group."""
 
     nodes: Sequence[LockNode]
     node_timeout: float
@@ -126,10 +122,8 @@ class Round(Waiting):
         owed_until: float = 0.0,
         attended: bool = True,
     ) -> None:
-        """``owed_until``: for a clean-up (an owner-checked delete), the monotonic time until
-        which what it removes may live; a member that does not answer it is owed it
-        (`Endpoint.owe`) until then. ``attended=False``: nobody waits for the replies (see the
-        module docstring)."""
+        """``owed_until``: for a clean-up, the monotonic time until which what it removes may
+        live; a member that does not answer it is owed it until then (`Endpoint.owe`)."""
         super().__init__()
         self.nodes = nodes = members.nodes
         self.node_timeout = members.node_timeout
@@ -163,8 +157,6 @@ class Round(Waiting):
         self.deadline = 0.0
         self.patience = self.node_timeout
 
-    # -- sending -----------------------------------------------------------------------------
-
     def start(self) -> None:
         """Send to every member that is not backed off. When those are too few for a quorum,
         give the members being probed (in parallel) one node_timeout and take in those that
@@ -193,13 +185,10 @@ class Round(Waiting):
         return pack_command(*call, head=self.script_head(self.script, by_source), head_count=2)
 
     def _owe(self, endpoint: Endpoint) -> None:
-        """A clean-up that ``endpoint`` did not answer is sent again once it answers."""
         if self.owed_until:
             endpoint.owe(self._packed(by_source=True), self.owed_until)
 
     def _skip(self, skipped: list[tuple[int, LockNode, Endpoint | None]], packed: bytes) -> None:
-        """Members that are backed off get no command; when too few others are left for a
-        quorum, those being probed are waited for (one node_timeout) and taken in if up."""
         reactor = self.connections.reactor
         with reactor.lock:
             for index, node, endpoint in skipped:
@@ -291,10 +280,9 @@ class Round(Waiting):
         return None
 
     def _send_unattended(self, call: NodeCall, reply: object) -> None:
-        """A round that succeeded while a member's NOSCRIPT (its script cache was emptied) was
-        still to be followed: the member runs the call anyway, with the source and unattended,
-        so that it holds what the others do. Sent before the round returns, so it goes out
-        ahead of whatever the caller sends next (a release)."""
+        """A round that succeeded while a member's NOSCRIPT was still to be followed: the member
+        runs the call anyway (with the source, unattended), so that it holds what the others do.
+        Sent before the round returns: ahead of whatever the caller sends next (a release)."""
         noscript = isinstance(reply, ErrorReply) and reply.code == "NOSCRIPT"
         if noscript and self.successes >= self.quorum:
             packed = self._packed(by_source=True)
@@ -354,7 +342,6 @@ class Round(Waiting):
         self._check()
 
     def _settle(self, index: int, why: str) -> None:
-        """Record that member ``index`` gave no usable reply."""
         self.why_not[index] = why
         self.failures += 1
         self.outstanding -= 1
@@ -377,8 +364,6 @@ class Round(Waiting):
         if self.failures < len(self.nodes) - quorum + 1:
             return False
         return self.answered >= quorum
-
-    # -- waiting -----------------------------------------------------------------------------
 
     def collect(self) -> None:
         """Wait for replies until the outcome is known or node_timeout has passed (counted from

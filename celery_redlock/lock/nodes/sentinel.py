@@ -1,13 +1,12 @@
 """A Sentinel-managed master as one member of the quorum (`SentinelNode`).
 
 The member is whichever server the sentinels name as the master of the service (``SENTINEL MASTER``:
-one they see up, as redis-py's ``Sentinel.discover_master`` requires). It is asked on first use, and
-again in the background after the master fails or answers ``READONLY`` (a master demoted by a
-failover), and at least every `REFRESH_SECONDS` while the member is used (a master replaced while it
-keeps running says nothing for several seconds). Replication is asynchronous: a lock granted by a
-master that fails before its replica got the write is lost with it, and a grant by a replaced master
-that has not noticed yet is not seen by the new one, unless ``redlock_wait_replicas`` makes a grant
-count only once replicas acknowledged it.
+one they see up, as redis-py's ``Sentinel.discover_master`` requires). They are asked on first use,
+again in the background after the master fails or answers ``READONLY`` (demoted by a failover),
+and at least every `REFRESH_SECONDS` while the member is used. Replication is asynchronous: a lock
+granted by a master that fails before its replica got the write is lost with it, and a grant by a
+replaced master that has not noticed yet is not seen by the new one, unless
+``redlock_wait_replicas`` makes a grant count only once replicas acknowledged it.
 """
 
 from __future__ import annotations
@@ -31,9 +30,8 @@ member that kept granting locks there would disagree with every member that aske
 
 
 class SentinelNode(LockNode):
-    """The master the ``sentinels`` name for ``service``, counted as one member of the quorum.
-    ``master`` holds the master's connection options (database, credentials, TLS); its address
-    is replaced by the one the sentinels give."""
+    """The master the ``sentinels`` name for ``service``, as one member of the quorum; ``master``
+    holds its connection options (database, credentials, TLS), not its address."""
 
     def __init__(
         self,
@@ -72,8 +70,7 @@ class SentinelNode(LockNode):
         self.locator.relocate()
 
     def _ask_sentinels(self) -> None:
-        """Ask the sentinels (at once) for the master's address; the first answer wins."""
-        self._master = first_answer(self.sentinels, self._master_named_by, lambda s: s.name)
+        self._master = first_answer(self.sentinels, self._master_named_by)
 
     def _master_named_by(self, sentinel: Endpoint) -> Endpoint:
         with sentinel.client() as client:
@@ -83,10 +80,10 @@ class SentinelNode(LockNode):
 
 
 def master_address(state: object) -> tuple[str, int]:
-    """The address of the master a sentinel describes (its ``SENTINEL MASTER`` reply, as redis-py
-    parses it) — with redis-py's own checks (``Sentinel.check_master_state``): a master the
-    sentinel sees down (subjectively or objectively), or no longer as a master, or together with
-    fewer than `MIN_OTHER_SENTINELS` other sentinels, is refused (`RedlockError`)."""
+    """The address of the master a sentinel's ``SENTINEL MASTER`` reply (parsed by redis-py)
+    describes, with redis-py's checks (``Sentinel.check_master_state``): one the sentinel sees
+    down or no longer as a master, or with fewer than `MIN_OTHER_SENTINELS` other sentinels, is
+    refused (`RedlockError`)."""
     if not isinstance(state, dict):
         raise RedlockError(f"gave a reply no sentinel gives to SENTINEL MASTER: {state!r:.60}")
     if not state.get("is_master") or state.get("is_sdown") or state.get("is_odown"):
