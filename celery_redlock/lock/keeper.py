@@ -1,10 +1,9 @@
-"""The lock keeper: extends the locks of running task bodies from one thread per process and app.
+"""The lock keeper: extends running tasks' locks from one thread per process and app.
 
-Every held lock is extended when a third of its validity has passed, never past the run's hard
-time limit. When an extension fails for good — a majority says the token is gone, or no quorum
-answers before the validity runs out — the lock is marked lost and the caller's ``on_lost``
-callback runs, so the task is told instead of working on without a lock. The thread dies with
-its process (a killed prefork child stops extending; the ttl then frees the lock).
+A lock is extended when a third of its validity has passed, never past the run's hard time
+limit. When that fails for good (a majority says the token is gone, or no quorum answers before
+the validity runs out) it is marked lost and ``on_lost`` runs, so the task is told instead of
+working on unlocked. A killed prefork child stops extending; the ttl then frees the lock.
 """
 
 from __future__ import annotations
@@ -24,8 +23,7 @@ from .redlock import Redlock, drift, settings_of
 
 logger = logging.getLogger(__name__)
 
-IDLE_SECONDS = 2.0
-"""How long the keeper thread waits with nothing to extend before it ends."""
+IDLE_SECONDS = 2.0  # how long the thread waits with nothing to extend before it ends
 
 
 @dataclass(eq=False, slots=True)
@@ -51,23 +49,19 @@ class LockKeeper:
 
     def __init__(self, redlock: Redlock) -> None:
         self.redlock = redlock
-        self._queue: list[tuple[float, int, KeptLock]] = []
         self._order = itertools.count()
-        self._wakeup = threading.Condition(threading.Lock())
-        self._thread: threading.Thread | None = None
-        self._pid = os.getpid()
-        self._stopped_in_queue = 0
-        self._sleeping_until = 0.0  # until when the thread sleeps (0: none sleeps)
+        self._pid = -1
+        self._this_process()
 
     def _this_process(self) -> None:
-        """Start afresh in a forked child: the parent's thread is not there, and its condition
-        may have been held by that thread at the fork."""
+        # Start afresh in a forked child: the parent's thread is not there, and its condition
+        # may have been held by that thread at the fork.
         if self._pid != os.getpid():
             self._wakeup = threading.Condition(threading.Lock())
-            self._queue = []
-            self._thread = None
+            self._queue: list[tuple[float, int, KeptLock]] = []
+            self._thread: threading.Thread | None = None
             self._stopped_in_queue = 0
-            self._sleeping_until = 0.0
+            self._sleeping_until = 0.0  # until when the thread sleeps (0: none sleeps)
             self._pid = os.getpid()
 
     def keep(
@@ -90,12 +84,10 @@ class LockKeeper:
         self._this_process()
         with self._wakeup:
             # Short runs stop long before their first extension is due: drop their entries in
-            # bulk, or the thread wakes up once per finished run, a third of a ttl later.
-            # The count is an estimate (a lock kept without extension has no entry, and the
-            # thread takes stopped entries out unannounced): it only decides when to look, and
-            # only entries found stopped are dropped. When it reaches the queue's length, the
-            # queue may hold nothing live: the thread, finding it empty when it wakes (it is
-            # not woken for that), goes idle and ends (see `_run`).
+            # bulk, or the thread wakes up once per finished run, a third of a ttl later. The
+            # count is an estimate (locks kept without extension have no entry; the thread pops
+            # stopped ones unannounced): it only decides when to look. At the queue's length the
+            # queue may hold nothing live; the thread finds it empty when it wakes and ends.
             self._stopped_in_queue += 1
             queued = len(self._queue)
             if self._stopped_in_queue >= queued or self._stopped_in_queue > max(16, queued // 2):
@@ -104,9 +96,8 @@ class LockKeeper:
                 self._stopped_in_queue = 0
 
     def extend_now(self, kept: KeptLock, ttl: float | None = None) -> bool:
-        """Extend immediately: True if a majority extended it, False if not (no quorum answered
-        but the lock is still valid); raises `LockLost` when the lock is gone (or was lost
-        before). A loss found here is reported like one found by the extension thread."""
+        """Extend now: True if a majority extended it, False if no quorum answered but the lock is
+        still valid; raises `LockLost` (reported like the thread's) when the lock is gone."""
         with kept.guard:
             if kept.is_lost:
                 raise LockLost(kept.lock.key, kept.lost_reason)
@@ -166,8 +157,7 @@ class LockKeeper:
                     self._schedule(kept, kept.next_at)
 
     def _extend(self, kept: KeptLock, ttl: float | None) -> bool:
-        """One extension attempt; sets ``next_at`` or ``lost_reason`` and returns whether it
-        extended. Caller holds the guard."""
+        # One extension attempt: sets next_at or lost_reason. The caller holds the guard.
         lock = kept.lock
         ttl = lock.ttl if ttl is None else ttl
         now = time.monotonic()

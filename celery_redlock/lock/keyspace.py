@@ -1,22 +1,16 @@
 """The layout of every key celery_redlock writes: one home for each prefix and suffix.
 
-The lock on a resource lives at ``<prefix>{<resource>}``. Every other key that belongs to that
-lock is the lock key plus a suffix, so the braces — a Redis Cluster *hash tag* — put all of them
-in the lock's hash slot, which lets one script touch them together on a cluster node:
+The lock on a resource lives at ``<prefix>{<resource>}``. Every other key of that lock is the lock
+key plus a suffix, so the braces (a Redis Cluster hash tag) put them all in the lock's hash slot,
+where one script can touch them together: ``:fence`` (the fencing counter), ``:pending`` (the
+reservation of the next holder, a lock itself), ``:done:<hash of a task id>`` (completion
+records) and ``:schedule`` (the beat leader's records). Waiters listen on the lock key itself as
+the release channel. Operators' tools leave alone what is no lock key (`is_lock_key`).
 
-- ``<lock key>:fence`` — the fencing counter (never a lock);
-- ``<lock key>:pending`` — the reservation of the lock's next holder (a lock itself);
-- ``<lock key>:done:<hash of a task id>`` — the completion records of one task id (never a
-  lock);
-- ``<lock key>:schedule`` — the beat leader's schedule records (never a lock).
-
-The release channel that waiters listen on is the lock key itself. Anything under the prefix
-that is not a lock key (`is_lock_key`) is left alone by the operators' tools.
-
-celery_redlock 0.2 locked ``<prefix><resource>`` (a reservation: ``<prefix><resource>:pending``),
-without braces: `legacy_key` names it. While a fleet is upgraded, a lock is taken only where its
-0.2-layout key is free too, and is written there as well (`scripts.ACQUIRE`), so
-that 0.2 and later workers exclude each other; `is_legacy_lock_key` tells such keys apart.
+celery_redlock 0.2 locked ``<prefix><resource>`` (reservation: ``<prefix><resource>:pending``),
+without braces (`legacy_key`). While a fleet is upgraded, a lock is taken only where its 0.2 key
+is free too, and written there as well (`scripts.ACQUIRE`), so 0.2 and later workers exclude
+each other.
 """
 
 from __future__ import annotations
@@ -46,9 +40,8 @@ def reservation_key(key: str) -> str:
 
 
 def records_key(key: str, task_id: str) -> str:
-    """The completion records of task id ``task_id`` under the lock at ``key``. The id is
-    hashed: task ids are chosen by applications and could otherwise make the key end like a
-    lock key."""
+    """The completion records of ``task_id`` under the lock at ``key`` (the id is hashed: it could
+    otherwise make the key end like a lock key)."""
     return key + RECORDS_INFIX + hashlib.sha256(task_id.encode()).hexdigest()[:32]
 
 
@@ -58,9 +51,8 @@ def schedule_key(key: str) -> str:
 
 
 def is_lock_key(prefix: str, key: str) -> bool:
-    """True if ``key`` is the key of a lock, or of a lock's reservation, under ``prefix``.
-    Fencing counters, completion records and schedule records are not: no lock key ends the
-    way they do."""
+    """True if ``key`` is the key of a lock, or of a lock's reservation, under ``prefix`` (no
+    other key ends the way these do)."""
     return key.startswith(prefix + "{") and (
         key.endswith("}") or key.endswith("}" + RESERVATION_SUFFIX)
     )
@@ -75,9 +67,8 @@ def resource_of(prefix: str, key: str) -> str | None:
 
 
 def legacy_key(prefix: str, key: str) -> str | None:
-    """The 0.2 layout of the lock key (or reservation key) ``key``: ``<prefix><resource>``
-    (``<prefix><resource>:pending``), where 0.2 workers lock the same resource; None when
-    ``key`` is not a lock key under ``prefix``."""
+    """Where 0.2 workers lock what the lock (or reservation) key ``key`` locks:
+    ``<prefix><resource>`` (``:pending``); None when ``key`` is no lock key under ``prefix``."""
     resource = resource_of(prefix, key)
     if resource is None:
         return None
@@ -85,8 +76,8 @@ def legacy_key(prefix: str, key: str) -> str | None:
 
 
 def is_legacy_lock_key(prefix: str, key: str) -> bool:
-    """True if ``key`` can be a lock key of the 0.2 layout (no braces) under ``prefix``: not a
-    0.2 fencing counter, completion marker or schedule record. Its value tells for sure."""
+    """True if ``key`` can be a 0.2-layout lock key (no braces) under ``prefix``: not a fencing
+    counter, completion marker or schedule record. Its value tells for sure."""
     rest = key[len(prefix) :]
     return (
         key.startswith(prefix)
@@ -98,8 +89,7 @@ def is_legacy_lock_key(prefix: str, key: str) -> bool:
 
 
 def legacy_resource_of(prefix: str, key: str) -> str | None:
-    """The resource a 0.2-layout lock key locks (for a reservation: the resource it reserves),
-    or None when ``key`` cannot be one."""
+    """The resource a 0.2-layout lock (or reservation) key locks, or None when it cannot be one."""
     if not is_legacy_lock_key(prefix, key):
         return None
     return key[len(prefix) :].removesuffix(RESERVATION_SUFFIX)
@@ -125,6 +115,5 @@ def escaped_prefix(prefix: str) -> str:
 
 
 def legacy_scan_pattern(prefix: str) -> str:
-    """A ``SCAN MATCH`` pattern for every key under ``prefix`` (0.2-layout lock keys have no
-    braces to match on)."""
+    """A ``SCAN MATCH`` pattern for every key under ``prefix`` (0.2 lock keys have no braces)."""
     return escaped_prefix(prefix) + "*"

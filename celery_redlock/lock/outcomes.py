@@ -1,8 +1,5 @@
 """What an acquisition asks (`Acquisition`) and yields: the `Lock` held, the `Record` kept
-beside it, and the typed `Outcome` of one attempt — `Acquired`, `Held` (a majority names one
-holder), `Contended` (no majority either way: a split vote or stale leftovers), `Unavailable`
-(fewer than a majority answered) or `Covered` (a record kept beside the lock covers the
-caller's rank)."""
+beside it, and the typed `Outcome` of one attempt."""
 
 from __future__ import annotations
 
@@ -21,17 +18,15 @@ TOKENS_PER_DRAW = 64
 
 
 class Tokens:
-    """Fresh lock tokens, for one process at a time: `TOKEN_BYTES` random bytes from `secrets`,
-    as hex (never contains ``|``), drawn `TOKENS_PER_DRAW` at a time: each draw is a
-    ``getrandom`` call, which gives up the GIL, and with many threads every call that does hands
-    the interpreter to another thread. A forked child never takes a token its parent drew."""
+    """Fresh lock tokens: `TOKEN_BYTES` random bytes from `secrets` as hex (never ``|``), drawn
+    `TOKENS_PER_DRAW` at a time, since each ``getrandom`` call gives up the GIL (to another
+    thread, when there are many). A forked child never takes a token its parent drew."""
 
     def __init__(self) -> None:
         self._drawn: tuple[int, collections.deque[str]] = (-1, collections.deque())
 
     def new(self) -> str:
-        """A fresh token (160 random bits: no other call, here or in another process, returns it
-        but by chance)."""
+        """A fresh token (160 random bits: no other call anywhere returns it but by chance)."""
         here = os.getpid()
         pid, drawn = self._drawn
         if pid != here:
@@ -51,10 +46,10 @@ class Tokens:
 class Lock:
     """A lock held on a majority of nodes.
 
-    ``validity`` is how many seconds the lock was guaranteed to stay valid when acquisition (or
-    the last extension) finished; `remaining` says how much of it is left now. ``owner`` is
-    non-secret text stored beside the token (who holds the lock), shown to other contenders.
-    The token, which allows releasing the lock, is left out of ``repr``.
+    ``validity``: seconds the lock was guaranteed to stay valid when acquisition (or the last
+    extension) finished; `remaining`: how much is left now. ``owner``: non-secret text stored
+    beside the token, shown to other contenders. The token (it releases the lock) is not in
+    ``repr``.
 
     ``fencing_token`` grows with every acquisition of the same resource (as long as a majority
     of nodes keeps its data and the clients' clocks agree within the ttl): pass it to the storage
@@ -82,10 +77,9 @@ class Lock:
 
 @dataclass(frozen=True, slots=True)
 class Record:
-    """A record kept beside a lock, checked atomically with every acquisition and written with the
-    release: field ``field`` of the hash at ``key`` (a key in the lock's hash slot, see
-    `keyspace`) holds the highest ``rank`` released, and lives ``ttl`` seconds
-    after the last write. An attempt whose rank the record covers ends `Covered`."""
+    """A record kept beside a lock, checked atomically by every acquisition (one whose rank it
+    covers ends `Covered`) and written by the release: field ``field`` of the hash at ``key`` (in
+    the lock's hash slot) holds the highest ``rank`` released, for ``ttl`` seconds."""
 
     key: str
     field: str
@@ -100,9 +94,8 @@ class Record:
 
 @dataclass(frozen=True, slots=True)
 class Acquisition:
-    """What stays the same over every round of one acquisition: the resource and its key, the
-    ttl, the owner text and the token (one token for every round), and the options of
-    `Redlock.attempt`."""
+    """What stays the same over every round of one acquisition (one token for all of them), and
+    the options of `Redlock.attempt`."""
 
     resource: str
     key: str
@@ -155,21 +148,15 @@ Outcome = Acquired | Held | Contended | Unavailable | Covered
 
 def copies_agree(copies: Sequence[tuple[str, int]], quorum: int) -> bool:
     """True when at least ``quorum`` of the per-node ``(stored value, pttl in ms)`` copies carry
-    one same value, the empty one (no lock there) included: a majority names the holder, or
-    names none."""
-    counts: dict[str, int] = {}
-    for value, _ in copies:
-        counts[value] = counts.get(value, 0) + 1
+    one same value, the empty one (no lock) included: a majority names the holder, or none."""
+    counts = collections.Counter(value for value, _ in copies)
     return any(count >= quorum for count in counts.values())
 
 
 def majority_holder(copies: Sequence[tuple[str, int]], quorum: int) -> Held | None:
-    """The holder when at least ``quorum`` of the per-node ``(stored value, pttl in ms)`` copies
-    carry one same value (a pttl below 0 means no expiry), else None.
-
-    The holder's lock is gone once all but ``quorum - 1`` of its copies expired, so ``expires_in``
-    is the ``len - quorum + 1``-th soonest expiry.
-    """
+    """The holder when at least ``quorum`` copies (like `copies_agree`'s; a pttl below 0: no
+    expiry) carry one same non-empty value, else None. Its lock is gone once all but
+    ``quorum - 1`` of its copies expired: ``expires_in`` is the ``len - quorum + 1``-th soonest."""
     by_value: dict[str, list[float]] = {}
     for value, milliseconds in copies:
         if value:

@@ -1,11 +1,10 @@
 """Who holds a lock: the value stored on the lock nodes, built and parsed here and nowhere else.
 
-A stored value is ``token + "|" + owner text``. The token is lowercase hex, so the first ``|``
-always ends it, whatever the owner text holds. The owner text of a task run is compact JSON whose
-first fields are always ``id``, ``queued``, ``pid`` and ``host``, in that order: the Lua scripts
-match a holder by comparing the start of the owner text with a prefix built here
-(`claim_prefix`, `run_prefix`), so task ids with any characters (``|``, quotes, backslashes,
-non-ASCII) match exactly. Owner texts never hold argument values or tokens.
+A stored value is ``token + "|" + owner text``; the token is lowercase hex, so the first ``|``
+ends it. An owner text is compact JSON whose first fields are always ``id``, ``queued``, ``pid``
+and ``host``, in that order: the Lua scripts match a holder by the start of its owner text
+(`claim_prefix`, `run_prefix`), so task ids with any characters match exactly. Owner texts never
+hold argument values or tokens.
 """
 
 from __future__ import annotations
@@ -30,20 +29,16 @@ def owner_text_of(value: str) -> str:
     return value.partition(SEPARATOR)[2]
 
 
-_ENCODER = json.JSONEncoder(separators=(",", ":"))  # built once: owner texts are made per run
-
-
-def _encode(value: object) -> str:
-    return _ENCODER.encode(value)
+_encode = json.JSONEncoder(separators=(",", ":")).encode  # built once: texts are made per run
 
 
 @dataclass(frozen=True)
 class Owner:
     """The public description of a lock holder: which task run, where, since when.
 
-    ``queued`` marks the claim `SingletonTask.apply_async` takes for a task id with
-    ``lock_on_enqueue``; the run of that id takes the claim over. ``retries`` and ``nesting``
-    (Celery's ``replaced_task_nesting``) order the attempts of one task id.
+    ``queued`` marks the claim `SingletonTask.apply_async` takes with ``lock_on_enqueue`` (the
+    run of that id takes it over); ``retries`` and ``nesting`` (Celery's
+    ``replaced_task_nesting``) order the attempts of one task id.
     """
 
     id: str | None
@@ -90,14 +85,9 @@ class Owner:
     def to_text(self) -> str:
         """The owner text stored beside the token (the matching prefixes come first)."""
         prefix = _prefix(self.id, self.queued, self.pid, _encode(self.host))
+        task = _encode(self.task)
         return _owner_text(
-            prefix,
-            _encode(self.task),
-            self.retries,
-            self.nesting,
-            self.since,
-            self.worker,
-            self.role,
+            prefix, task, self.retries, self.nesting, self.since, self.worker, self.role
         )
 
     @classmethod
@@ -152,8 +142,8 @@ class Owner:
 
 
 class RunOwnerTexts:
-    """The owner texts of one task's runs, as `Owner.to_text` writes them, built fast: what does
-    not change from run to run (task, host, process) is encoded once per process."""
+    """The owner texts of one task's runs, as `Owner.to_text` writes them: what does not change
+    from run to run (task, host, process) is encoded once per process."""
 
     def __init__(self, task: str) -> None:
         self._task = _encode(task)
@@ -171,7 +161,7 @@ class RunOwnerTexts:
 
 
 def _prefix(task_id: str | None, queued: bool, pid: int | None = None, host: str = "") -> str:
-    """How an owner text starts: the fields the scripts match by prefix (``host`` encoded)."""
+    # The fields the scripts match by prefix (host encoded).
     text = '{"id":' + _encode(task_id) + (',"queued":true,' if queued else ',"queued":false,')
     return text if pid is None else f'{text}"pid":{pid},"host":{host},'
 
@@ -185,7 +175,7 @@ def _owner_text(
     worker: str | None,
     role: str | None,
 ) -> str:
-    """The whole owner text after its ``prefix`` (``task`` encoded): the one place it is built."""
+    # The one place an owner text is built after its prefix (task encoded).
     text = f'{prefix}"task":{task},"retries":{retries},"nesting":{nesting},"since":{since}'
     if worker:
         text += ',"worker":' + _encode(worker)

@@ -1,14 +1,10 @@
 """The Redlock algorithm over N independent Redis masters.
 
-An *attempt* sets one key with one random token on every node at once (``SET NX PX`` inside a
-script) and succeeds only when a majority agreed before the ttl ran out; the lock is then valid
-for ``ttl - elapsed - drift``. A failed round is released on every node, because a SET may have
-landed where the reply was lost, and is retried after a jittered delay. Extension and release
-compare the token inside Lua, so only the holder can extend or release.
-
-Every attempt ends in one typed outcome (`outcomes`). Every reply is checked
-against what its script can return (`replies`): a node's reply is untrusted
-input, and one that is not a possible answer counts as no answer at all.
+An attempt sets one key with one random token on every node at once (in a script) and succeeds
+only when a majority agreed before the ttl ran out; the lock is then valid for ``ttl - elapsed -
+drift``. A failed round is released on every node, because a SET may have landed where the reply
+was lost, and retried after a jittered delay. Only the token's holder can extend or release. A
+node's reply is untrusted: one its script cannot return (`replies`) counts as no answer.
 """
 
 from __future__ import annotations
@@ -52,9 +48,7 @@ logger = logging.getLogger(__name__)
 FENCE_SUFFIX = keyspace.FENCE_SUFFIX  # kept for callers of 0.2
 DRIFT_CONSTANT_SECONDS = 0.002
 
-SPLIT_LONGEST_PAUSE = 1.0
-"""The longest random pause of a waiting caller after a split vote (the longest pause starts at
-``retry_delay`` and doubles after each split in a row)."""
+SPLIT_LONGEST_PAUSE = 1.0  # the cap of a waiter's random pause after split votes in a row
 
 
 class AcquireOptions(TypedDict, total=False):
@@ -74,13 +68,11 @@ class Redlock:
     """A distributed lock manager over independent Redis masters (the Redlock algorithm).
 
     One instance per process is meant to be shared by all its threads; connections open lazily
-    and are reopened after a fork. ``urls`` (a list, or one comma-separated string) accepts
-    ``redis://``, ``rediss://`` (TLS) and ``unix://`` URLs with optional ``user:password@`` and
-    database number, and ``redis+cluster://`` and ``redis+sentinel://`` members
-    (`nodes.urls`); ``username`` and ``password`` apply to every URL that names no
-    credentials of its own. ``legacy_layout=False`` stops holding locks at their 0.2-layout
-    keys too (README: Upgrading from 0.2). Invalid arguments raise `ConfigurationError` saying
-    how to fix them.
+    and are reopened after a fork. ``urls`` (a list, or one comma-separated string) takes
+    ``redis://``, ``rediss://``, ``unix://``, ``redis+cluster://`` and ``redis+sentinel://``
+    URLs (`nodes.urls`); ``username`` and ``password`` apply to every URL without credentials.
+    ``legacy_layout=False`` stops holding locks at their 0.2-layout keys too (README: Upgrading
+    from 0.2). Invalid arguments raise `ConfigurationError` saying how to fix them.
     """
 
     def __init__(
@@ -161,17 +153,13 @@ class Redlock:
     ) -> Outcome:
         """Acquire without raising: one typed outcome.
 
-        With ``wait=0`` (the default) one non-blocking acquisition, retried (up to ``rounds``
-        rounds, by default ``retry_count``, jittered) only while the outcome is `Contended` or
-        `Unavailable`. With ``wait`` seconds (None: no limit), attempts until the lock is taken
-        or that time has passed, sleeping until the holder releases (a notification from the
-        nodes) or its lock expires, never polling; returns the first outcome that is neither
-        `Held` nor `Contended`, or the last one at the end.
-
-        ``token`` (default: a new one) lets a caller know the token before any SET is sent;
-        ``replaces`` is an owner-text prefix whose holder the caller replaces (its lock counts as
-        free); with ``record``, the attempt ends `Covered` when the record covers its rank. A lock
-        reserved for someone else (`reserve`) is not taken while it is reserved.
+        ``wait=0``: one acquisition, retried (up to ``rounds``, default ``retry_count``, jittered)
+        only while `Contended` or `Unavailable`. ``wait`` seconds (None: no limit): attempts until
+        taken or the time is up, sleeping until the holder releases (a notification) or its lock
+        expires, never polling; returns the first outcome neither `Held` nor `Contended`, else
+        the last. ``token`` (default: a new one) is known before any SET is sent; ``replaces`` is
+        an owner-text prefix whose lock counts as free; with ``record``, ends `Covered` when the
+        record covers its rank. A lock reserved for someone else (`reserve`) is not taken.
         """
         key = self._checked_key(resource, ttl)
         acquisition = Acquisition(
@@ -229,7 +217,8 @@ class Redlock:
         return outcome or Unavailable(QuorumUnavailable(key, 0, self.quorum))
 
     def _wait_at(self, acquisition: Acquisition, timeout: float | None) -> Outcome:
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = math.inf if timeout is None else time.monotonic() + timeout
+        delay = self._settings.retry_delay
         outcome = self._attempt_at(acquisition)
         if not isinstance(outcome, (Held, Contended)):
             return outcome
@@ -239,27 +228,20 @@ class Redlock:
                 # Listening before each attempt: a release between attempt and wait wakes us.
                 outcome = self._attempt_at(acquisition)
                 now = time.monotonic()
-                if not isinstance(outcome, (Held, Contended)) or (
-                    deadline is not None and now >= deadline
-                ):
+                if not isinstance(outcome, (Held, Contended)) or now >= deadline:
                     return outcome
-                left = math.inf if deadline is None else deadline - now
+                left = deadline - now
                 if isinstance(outcome, Contended):
                     # Callers woken by one release split the vote again if they all try again
                     # at once, and every failed attempt's release wakes them together: so after
                     # a split each sleeps a random while instead, longer after each split.
                     splits += 1
-                    longest = min(
-                        max(self._settings.retry_delay, 0.01) * 2 ** (splits - 1),
-                        SPLIT_LONGEST_PAUSE,
-                    )
+                    longest = min(max(delay, 0.01) * 2 ** (splits - 1), SPLIT_LONGEST_PAUSE)
                     pause = random.uniform(0, min(longest, max(outcome.retry_in, 0.001)))
                     time.sleep(min(pause, left))
                     continue
                 splits = 0
-                pause = max(outcome.expires_in, 0.001) + random.uniform(
-                    0, self._settings.retry_delay / 4
-                )
+                pause = max(outcome.expires_in, 0.001) + random.uniform(0, delay / 4)
                 listener.wait(min(pause, left))
 
     def _outcome(self, acquisition: Acquisition, started: float, result: RoundResult) -> Outcome:
@@ -297,12 +279,9 @@ class Redlock:
         return QuorumUnavailable(key, result.answered, self.quorum, reasons)
 
     def _agree_on_fencing_token(self, key: str, result: RoundResult, ttl_ms: int) -> int | None:
-        """The fencing token of a round that reached a quorum, or None if it did not.
-
-        The token is the largest a node returned; nodes that returned less (a node that missed
-        acquisitions while down, or restarted empty) are raised to it first, so that any later
-        majority includes a node that will hand out a larger one.
-        """
+        # The largest token a node returned; nodes that returned less (they missed acquisitions
+        # while down, or restarted empty) are raised to it, so that any later majority includes
+        # a node that will hand out a larger one.
         if result.successes < self.quorum:
             return None
         tokens: list[int] = [reply for reply in result.replies if is_integer(reply)]
@@ -342,10 +321,9 @@ class Redlock:
     ) -> Lock | None:
         """Take the lock on ``resource`` for ``ttl`` seconds.
 
-        Returns the `Lock`, or None when it is held by someone else (with ``blocking=True``:
-        when it stayed held for ``timeout`` seconds; ``timeout=None`` waits for ever). A blocking
-        acquire sleeps until the holder releases or its lock expires, instead of polling. Raises
-        `QuorumUnavailable` when fewer than a majority of nodes answered.
+        Returns the `Lock`, or None when someone else holds it (with ``blocking=True``: for
+        ``timeout`` seconds, None: for ever; it sleeps until a release or expiry, never polls).
+        Raises `QuorumUnavailable` when fewer than a majority of nodes answered.
         """
         outcome = self.attempt(resource, ttl, owner, wait=timeout if blocking else 0.0)
         if isinstance(outcome, Unavailable):
@@ -356,7 +334,7 @@ class Redlock:
     def lock(self, resource: str, ttl: float, **options: Unpack[AcquireOptions]) -> Iterator[Lock]:
         """Hold the lock on ``resource`` for the ``with`` block, taken as `acquire` takes it
         (``blocking``, ``timeout`` and ``owner`` by keyword); release it on the way out. Raises
-        `LockNotAcquired` when the lock is held by someone else."""
+        `LockNotAcquired` when someone else holds it."""
         lock = self.acquire(resource, ttl, **options)
         if lock is None:
             raise LockNotAcquired(self.key_for(resource))
@@ -370,30 +348,22 @@ class Redlock:
     def extend(self, lock: Lock, ttl: float | None = None) -> bool:
         """Reset the lock's time to live to ``ttl`` seconds (default: its own ttl).
 
-        True only if a majority of nodes extended it while it was still valid; the lock's
-        ``validity`` and `remaining` are then updated. A node that lost the key (restarted
-        empty) gets it back. False means the lock cannot be relied on; when a majority answered
-        that another owner holds the key, `Lock.remaining` drops to zero too.
+        True only if a majority extended it while still valid (``validity`` and `remaining` are
+        updated); a node that lost the key (restarted empty) gets it back. False: the lock cannot
+        be relied on; when a majority says another owner holds it, `remaining` drops to zero.
         """
         ttl = lock.ttl if ttl is None else ttl
         check_ttl(self, ttl)
         started = time.monotonic()
         if lock.valid_until <= started:
             return False
+        keys = (lock.key, keyspace.fence_key(lock.key), self._with_legacy(lock.key))
+        until = int((time.time() + lock.valid_until - started) * 1000)  # on the wall clock
+        args = (lock.value, max(1, int(ttl * 1000)), lock.fencing_token, until)
         # Every node's reply is awaited (up to node_timeout): an extension still on its way to
         # a node when the holder releases there could set the key again after the release.
         result = self._group.run(
-            scripts.EXTEND,
-            (lock.key, keyspace.fence_key(lock.key), self._with_legacy(lock.key)),
-            (
-                lock.value,
-                max(1, int(ttl * 1000)),
-                lock.fencing_token,
-                int((time.time() + lock.valid_until - started) * 1000),
-            ),
-            judge_zero_or_one,
-            every=True,
-            grants=True,
+            scripts.EXTEND, keys, args, judge_zero_or_one, every=True, grants=True
         )
         if result.answered - result.successes >= len(self._group.nodes) - self.quorum + 1:
             lock.valid_until = 0.0  # a majority says another owner holds it: nothing to rely on
@@ -406,22 +376,15 @@ class Redlock:
         return lock.validity > 0
 
     def release(
-        self,
-        lock: Lock,
-        hold: float = 0.0,
-        record: Record | None = None,
-        confirm: bool = True,
+        self, lock: Lock, hold: float = 0.0, record: Record | None = None, confirm: bool = True
     ) -> bool:
-        """Release the lock on every node, only where it still holds this lock's token.
+        """Release the lock on every node where it still holds this lock's token (never anybody
+        else's); True if a majority confirmed, False if it had expired or been taken over.
 
-        With ``hold`` seconds, the lock is kept that much longer instead (and then expires); with
-        ``record``, its rank is recorded on every node the release reaches. Returns True if a
-        majority confirmed it still held the lock, False if it had already expired or been
-        taken over. Never removes somebody else's lock.
-
-        With ``confirm=False`` the release is sent to every node and the call returns at once,
-        False: the replies are read by this thread's next round. Each node executes the release
-        before anything this thread sends it later.
+        With ``hold`` seconds the lock is kept that much longer instead; with ``record`` its rank
+        is recorded on every node reached. ``confirm=False`` sends and returns False at once (this
+        thread's next round reads the replies); each node runs the release before anything this
+        thread sends it later.
         """
         keys = [lock.key, keyspace.fence_key(lock.key), self._with_legacy(lock.key)]
         arguments: list[str | int] = [lock.value, max(0, int(hold * 1000))]
@@ -440,10 +403,7 @@ class Redlock:
         return result.successes >= self.quorum
 
     def _release_value(self, key: str, value: str, ttl: float = 0.0, wait: bool = False) -> int:
-        """Release ``value`` at ``key`` on every node (without waiting for the replies unless
-        ``wait``); returns on how many nodes it was released (0 when not waiting). A node that
-        cannot be reached gets the release once it answers again, for the ``ttl`` seconds the
-        value may live."""
+        # A node that cannot be reached gets the release once it answers again (owed for ttl).
         keys = (key, keyspace.fence_key(key), self._with_legacy(key))
         arguments = (value, 0)
         return self._group.run(
@@ -459,9 +419,8 @@ class Redlock:
 
 
 def from_settings(settings: RedlockSettings, node_timeout: float | None = None) -> Redlock:
-    """The lock manager a Celery app's settings describe (optionally with another per-node
-    timeout, as operators' commands use). It does not log the even-node warning: a worker logs
-    that once, at start, and ``celery redlock status`` reports it."""
+    """The lock manager ``settings`` describe (optionally with another node timeout). Without the
+    even-node warning: a worker logs it once at start, ``celery redlock status`` reports it."""
     if node_timeout is not None:
         settings = dataclasses.replace(settings, node_timeout=node_timeout)
     redlock = Redlock.__new__(Redlock)
@@ -470,7 +429,7 @@ def from_settings(settings: RedlockSettings, node_timeout: float | None = None) 
 
 
 def settings_of(redlock: Redlock) -> RedlockSettings:
-    """The settings ``redlock`` was made with (retry count and delay, drift, node timeout...)."""
+    """The settings ``redlock`` was made with."""
     return redlock._settings
 
 
@@ -492,17 +451,14 @@ def check_ttl(redlock: Redlock, ttl: float, name: str = "ttl") -> None:
 
 
 def legacy_layout(redlock: Redlock) -> bool:
-    """Whether 0.2 workers can share ``redlock``'s nodes (0.2 could not use a cluster node), so
-    that locks may live at 0.2 keys (`legacy_key_of`). Its own locks are held there too unless
-    ``redlock_legacy_layout`` is off."""
+    """Whether 0.2 workers can share ``redlock``'s nodes (none is a cluster node), so that locks
+    may live at 0.2 keys (`legacy_key_of`)."""
     return redlock._legacy_layout
 
 
 def legacy_key_of(redlock: Redlock, key: str) -> str | None:
-    """Where 0.2 workers lock what ``key`` locks (`keyspace.legacy_key`): locks taken here are
-    held there too, and a lock held there is in the way (with ``redlock_legacy_layout`` on, the
-    default). None for a group with a cluster node (0.2 could not use one) or a key that is no
-    lock key."""
+    """Where 0.2 workers lock what ``key`` locks (`keyspace.legacy_key`); None for a group with a
+    cluster node (0.2 could not use one) or a key that is no lock key."""
     if not redlock._legacy_layout:
         return None
     return keyspace.legacy_key(redlock._settings.key_prefix, key)
@@ -510,16 +466,14 @@ def legacy_key_of(redlock: Redlock, key: str) -> str | None:
 
 def reserve(redlock: Redlock, resource: str, ttl: float, owner: str = "", *, token: str) -> Outcome:
     """Reserve the lock on ``resource`` for its next holder (``on_duplicate="coalesce"``): while
-    the reservation is held, nobody but an attempt with the same ``token`` and ``owner`` takes
-    the lock once it is free. The reservation is a lock itself (`Acquired` holds it;
-    `Redlock.release` gives it up); one attempt, like `Redlock.attempt`."""
+    reserved, only an attempt with the same ``token`` and ``owner`` takes it once free. The
+    reservation is a lock itself (`Redlock.release` gives it up); one attempt, like `attempt`."""
     key = keyspace.reservation_key(redlock._checked_key(resource, ttl))
     return redlock._attempt_at(Acquisition(resource, key, ttl, owner, token))
 
 
 def reservation_of(redlock: Redlock, resource: str) -> Held | None:
-    """Who holds the reservation of the lock on ``resource`` (`reserve`), like
-    `Redlock.holder_of`."""
+    """Who holds the reservation of the lock on ``resource`` (`reserve`), like `holder_of`."""
     return redlock._holder_at(keyspace.reservation_key(redlock.key_for(resource)))
 
 
@@ -530,28 +484,22 @@ def run_script(
     arguments: Sequence[str | int],
     judge: Judge,
 ) -> RoundResult:
-    """Run ``script`` on every node at once, over the lock manager's connections, and return each
-    node's reply once the outcome is known (a quorum of replies that ``judge`` calls successes,
-    or too few left). ``judge`` checks each reply against what the script can return
-    (`nodes.Judge`). For records kept beside a lock (the beat leader's
-    schedule)."""
+    """Run ``script`` on every node over ``redlock``'s connections until the outcome is known (a
+    quorum of replies ``judge`` calls successes, or too few left). For records beside a lock."""
     return redlock._group.run(script, keys, arguments, judge)
 
 
 def release_stored(redlock: Redlock, key: str, value: str) -> int:
-    """Delete the lock at ``key`` on every node where it still holds exactly ``value`` (a stored
-    value read earlier: token and owner); returns on how many nodes it did. For operators'
-    tools that free a lock they did not take, and never anybody else's."""
+    """Delete the lock at ``key`` on every node where it still holds exactly ``value`` (read
+    earlier); returns on how many nodes. For operators' tools: never anybody else's lock."""
     return redlock._release_value(key, value, wait=True)
 
 
 def release_if_owner(redlock: Redlock, resource: str, owner_prefix: str) -> int:
     """Delete the lock on ``resource`` where its owner text starts with ``owner_prefix``
-    (`owner.run_prefix`); returns on how many nodes. For freeing the lock of a
-    process that is gone, and nobody else's."""
+    (`owner.run_prefix`); returns on how many nodes. Frees a gone process's lock, nobody else's."""
     key = redlock.key_for(resource)
     keys = (key, redlock._with_legacy(key))
-    result = redlock._group.run(
+    return redlock._group.run(
         scripts.RELEASE_IF_OWNER, keys, (owner_prefix,), judge_zero_or_one, every=True
-    )
-    return result.successes
+    ).successes

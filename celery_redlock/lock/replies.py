@@ -22,8 +22,8 @@ def judge_zero_or_one(reply: Any) -> bool | None:
     return None
 
 
+# How every refusal of `scripts.FORCE_RELEASE` starts: its other string replies are garbage.
 FORCED_RELEASE_REFUSALS = (b"it is a ", b"its value is not a lock token")
-"""How every refusal of `scripts.FORCE_RELEASE` starts: its other string replies are garbage."""
 
 
 def judge_forced_release(reply: Any) -> bool | None:
@@ -62,9 +62,9 @@ def judge_copy(reply: Any) -> bool | None:
 
 
 def acquire_judge(clock_microseconds: int, asks_record: bool) -> Judge:
-    """What the acquire script can answer a caller whose clock read ``clock_microseconds``: a
-    fencing token never below that clock (granted); the value in the way and its pttl (refused);
-    COVERED, only when a record was asked about (refused: the record decides)."""
+    """For the acquire script, from a caller whose clock read ``clock_microseconds``: a fencing
+    token never below it (granted); the value in the way and its pttl, or COVERED when a record
+    was asked about (refused)."""
 
     def judge(reply: Any) -> bool | None:
         if is_integer(reply):

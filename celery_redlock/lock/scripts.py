@@ -1,17 +1,11 @@
 """The Lua scripts that make acquisition, extension and release atomic on each node.
 
-Scripts a round waits on (acquire, extend, raise the fencing counter) run by their SHA-1
-(EVALSHA). Every new connection loads them first (``SCRIPT LOAD``, sent with its first command),
-so even a node that answers after its round has decided has them: a restarted node is reached
-through a new connection. A node whose cache is emptied under a live connection (SCRIPT FLUSH)
-answers NOSCRIPT and gets the source once (EVAL). Scripts marked ``inline`` always carry their
-source: releases and clean-ups, whose replies may be read only after the round has decided, so a
-NOSCRIPT nobody reads must not be able to lose them.
-
-Stored values and owner prefixes are built by `owner`, key names by
-`keyspace`; here they are compared as bytes only. Each script's comment says what it
-can return: callers check every reply against that (`redlock`), since a node's reply
-is untrusted input.
+Scripts a round waits on run by SHA-1 (EVALSHA): every new connection loads them with its first
+command, so even a node answering after its round decided has them (a restarted node is reached
+through a new connection). After a SCRIPT FLUSH a node answers NOSCRIPT and gets the source once.
+``inline`` scripts (releases and clean-ups, whose replies may be read only after the round
+decided) always carry their source: a NOSCRIPT nobody reads must not lose them. Each script's
+comment says what it can return: callers check every reply against that (`replies`).
 """
 
 from __future__ import annotations
@@ -27,10 +21,9 @@ class Script:
     name: str
     source: str
     inline: bool = False
+    # Also runs on its first key alone, skipping its part on the other keys: what a round sends
+    # a member whose slot is half migrated (TRYAGAIN: the keys are split between two servers).
     alone: bool = False
-    """The script also runs on its first key alone (called with one key): its part on the
-    other keys is skipped. What a round sends a member whose slot is half migrated (TRYAGAIN:
-    the keys are split between two servers for a while)."""
     sha: str = field(init=False)
 
     def __post_init__(self) -> None:
@@ -77,21 +70,17 @@ local function keep_fence(fence_key, milliseconds)
 end
 """
 
-COVERED_REPLY = b"COVERED"
-"""The status ACQUIRE answers when the record it was asked to check covers the caller's rank."""
+COVERED_REPLY = b"COVERED"  # ACQUIRE's answer when the record asked about covers the rank
 
-# KEYS[1] lock key, KEYS[2] its fencing counter, KEYS[3] its reservation, KEYS[4] (optional) the
-# lock's 0.2-layout key (KEYS[1] again: none), KEYS[5] (optional) a record hash. ARGV[1] value
+# KEYS[1] lock key, KEYS[2] its fencing counter, KEYS[3] its reservation, KEYS[4] (optional) its
+# 0.2-layout key (KEYS[1] again: none), KEYS[5] (optional) a record hash. ARGV[1] value
 # (token|owner), ARGV[2] ttl in ms, ARGV[3] the caller's clock in microseconds, ARGV[4] an owner
-# prefix whose lock the caller replaces (counts as free) or '', ARGV[5] and ARGV[6] (with KEYS[5])
-# the record's field and the caller's rank.
-# Returns the status COVERED when the record covers the rank; else the fencing token (an integer,
-# never below ARGV[3]) when the lock was taken — a key already holding ARGV[1] counts as taken (a
-# late SET of an earlier round of the same acquisition); else {the value in the way, its pttl in
-# ms}: the holder's (at either key), or, when the lock is free but reserved for someone else, the
-# reservation's. A lock taken is written at both keys, so that 0.2 workers see it held; a 0.2
-# key of another type, or with a value no version writes, is left alone.
-# The fencing token is max(counter + 1, caller's clock): nodes that saw the same history agree.
+# prefix whose lock counts as free, or '', ARGV[5], ARGV[6] (with KEYS[5]) record field and rank.
+# Returns COVERED when the record covers the rank; else, when the lock was taken (a key already
+# holding ARGV[1] is a late SET of an earlier round: taken), the fencing token max(counter + 1,
+# caller's clock), so that nodes that saw the same history agree; else {the value in the way, its
+# pttl in ms} (at either key, or a reservation for someone else). A taken lock is written at both
+# keys so 0.2 workers see it; a 0.2 key of another type, or a value no version writes, is left.
 ACQUIRE = Script(
     "acquire",
     _CALL
@@ -161,14 +150,12 @@ return 1
 
 # KEYS[1] lock key, KEYS[2] its fencing counter, KEYS[3] (optional) its 0.2-layout key (KEYS[1]
 # again: none); ARGV[1] value; ARGV[2] new ttl in ms; ARGV[3] the lock's fencing token; ARGV[4]
-# the end of the lock's validity, in ms of the caller's wall clock.
-# Returns 1 if extended, 0 if another owner holds the key or it expired. A node that lost the key
-# (restarted empty) gets it back, with its fencing counter, while the lock is valid by the
-# caller's clock — not when the extension reaches a node late (it was frozen): that would bring
-# back the lock of a holder that may be gone. The extension counts only where a majority confirms.
-# The 0.2-layout copy is extended with the lock (written again where it is gone).
-# Called with the lock key alone, the fencing counter is left as it is (the next extension with
-# both keys raises and keeps it again).
+# the end of the lock's validity, in ms of the caller's wall clock. Returns 1 if extended, 0 if
+# another owner holds the key or it expired. A node that lost the key (restarted empty) gets it
+# back, with its fencing counter, while the lock is valid by the caller's clock: not when the
+# extension arrives late (it was frozen), which would bring back a lock whose holder may be gone.
+# The 0.2-layout copy is extended with the lock. Called with the lock key alone, the fencing
+# counter is left as it is (the next extension with both keys raises and keeps it again).
 EXTEND = Script(
     "extend",
     _CALL
@@ -205,22 +192,18 @@ return 1
     alone=True,
 )
 
+# How long a fencing counter outlives a released lock: the next holder's token is then at least
+# its own clock in microseconds, above every earlier token while the hosts' clocks agree within
+# half this time. Longer would keep a key per lock key ever used.
 FENCE_AFTER_RELEASE_MILLISECONDS = 1000
-"""How long a fencing counter outlives the lock a holder released (it lives as long as the lock
-otherwise): the next holder's token is then at least its own clock in microseconds, above every
-token handed out before whenever the hosts' clocks agree within half this time. Keeping counters
-longer would keep a key per lock key ever used, for every task run."""
 
-# KEYS[1] lock key (also the channel waiters listen on), KEYS[2] its fencing counter, KEYS[3]
-# (optional) its 0.2-layout key (KEYS[1] again: none), KEYS[4] (optional) a record hash. ARGV[1]
-# value; ARGV[2] hold in ms (0: delete now; else keep the lock that much longer); ARGV[3],
-# ARGV[4], ARGV[5] (with KEYS[4]) the record's field, the rank to record and the record's
-# lifetime in ms.
-# Returns 1 if the lock was still ours, else 0; the record is written either way. A deleted lock's
-# fencing counter lives FENCE_AFTER_RELEASE_MILLISECONDS more. The 0.2-layout copy goes (or is
-# kept) with the lock, where it holds ARGV[1].
-# Called with the lock key alone, the rest is left as it is.
-# The PUBLISH is a pcall: an ACL user may lack channel permissions, and the release counts anyway.
+# KEYS[1] lock key (also the waiters' channel), KEYS[2] its fencing counter, KEYS[3] (optional)
+# its 0.2-layout key (KEYS[1] again: none), KEYS[4] (optional) a record hash. ARGV[1] value;
+# ARGV[2] hold in ms (0: delete now); ARGV[3..5] (with KEYS[4]) the record's field, the rank and
+# the record's lifetime in ms. Returns 1 if the lock was still ours, else 0; the record is
+# written either way. The 0.2-layout copy goes (or is kept) with the lock. Called with the lock
+# key alone, the rest is left as it is. The PUBLISH is a pcall: an ACL user may lack channel
+# permissions, and the release counts anyway.
 RELEASE = Script(
     "release",
     _CALL
@@ -267,12 +250,10 @@ return released
 # KEYS[1] lock key. Returns {current value or '', its pttl in ms}: who holds it, without taking it.
 READ = Script("read", _CALL + "return {call('GET', KEYS[1]) or '', call('PTTL', KEYS[1])}")
 
-# KEYS[1] lock key (its name checked by the caller: `keyspace.is_lock_key`), KEYS[2] (optional)
-# its 0.2-layout key. Deletes it whoever holds it (operators' forced release), but only when it
-# holds a lock value — a string of 40 lowercase hex digits (the token), alone or followed by '|'
-# and the owner text — and tells waiters; the 0.2-layout copy of that value goes too.
-# Returns 1 if deleted, 0 if there is no such key, else a string saying why the key is not a lock
-# (its type, or a value celery_redlock never writes): such a key is left alone.
+# KEYS[1] lock key (checked by the caller: `keyspace.is_lock_key`), KEYS[2] (optional) its
+# 0.2-layout key. Operators' forced release: deletes it (and its 0.2 copy) whoever holds it, and
+# tells waiters, but only if it holds a lock value (40 lowercase hex digits, alone or then '|'
+# and owner). Returns 1 if deleted, 0 if there is no such key, else why it is not a lock (left).
 FORCE_RELEASE = Script(
     "force_release",
     """
@@ -299,11 +280,9 @@ return 1
 )
 
 # KEYS[1] lock key, KEYS[2] (optional) its 0.2-layout key (KEYS[1] again: none); ARGV[1] an owner
-# prefix (`owner.run_prefix`). Deletes the lock (and its 0.2-layout copy) only if it
-# holds a lock value (token, '|', owner text) whose owner text starts with the prefix: how a
-# worker's main process frees the lock of a pool process it lost, and nobody else's (not the next
-# attempt's of the same task id in another process). A key of another type is not a lock: 0.
-# Returns 1 if deleted, else 0.
+# prefix (`owner.run_prefix`). Returns 1 after deleting the lock (and its 0.2 copy) only if it
+# holds a lock value whose owner text starts with the prefix, else 0: how a worker's main process
+# frees the lock of a pool process it lost, and nobody else's (not the next try of the task id).
 RELEASE_IF_OWNER = Script(
     "release_if_owner",
     """
@@ -328,10 +307,9 @@ return 0
 )
 
 # KEYS[1] the beat leader's lease key, KEYS[2] its schedule records; ARGV[1] the leader's lease
-# value; ARGV[2..] pairs of entry name and record text. Stores the records only while the lease
-# key holds the leader's own value: a leader whose lease ran out cannot overwrite its successor's
-# records. Returns 1 if stored, 0 if the lease is not the caller's here. The records are one JSON
-# object of strings (never numbers: cjson would round them).
+# value; ARGV[2..] pairs of entry name and record text. Returns 1 after storing the records only
+# while the lease holds the leader's value (one whose lease ran out cannot overwrite its
+# successor's), else 0. Records are one JSON object of strings (never numbers: cjson rounds them).
 RECORD_BEAT_ENTRIES = Script(
     "record_beat_entries",
     """
