@@ -1,12 +1,11 @@
 """``on_duplicate="coalesce"``: at most one running and one pending run per key.
 
-The first duplicate of a running call reserves the lock (`Redlock.reserve`, with its own token
-and owner) and waits, woken by the release, for the lock itself: while the reservation is held,
-the freed lock goes to that pending run, never to a newcomer. A duplicate that finds the
-reservation held by another call merges into it — that run starts after this one arrived, so its
-work covers this one's — and is stored as skipped with `DuplicateCoalesced`. Before reserving, a
-run publishes a deferred copy of itself, so that neither its work nor the work merged into it is
-lost if its process dies (once it has run, the copy is acknowledged as completed).
+The first duplicate of a running call reserves the lock (`Redlock.reserve`) and waits, woken by
+the release, for the lock itself, which goes to it, never to a newcomer. A duplicate that finds
+the reservation held by another call merges into it (that run starts after this one arrived, so
+its work covers this one's) and is stored as skipped with `DuplicateCoalesced`. Before reserving,
+a run publishes a deferred copy of itself, so that its work and the work merged into it survive
+its process dying (once it has run, the copy is acknowledged as completed).
 """
 
 from __future__ import annotations
@@ -38,20 +37,13 @@ class CoalescingRun(Protocol):
     lock: Lock
     record: Record | None
 
-    def attempt(self, wait: float = 0.0, rounds: int | None = None) -> Outcome:
-        """One attempt at the run's lock, waiting up to ``wait`` seconds."""
-
-    def publish_again(self, countdown: float, headers: dict[str, Any] | None = None) -> float:
-        """Publish the delivery's message again to run after about ``countdown`` seconds."""
-
-    def report_duplicate(self, policy: str, holder: Owner | None) -> None:
-        """Report what the delivery did about a lock it did not get."""
-
-    def skip(self, skipped: DuplicateSkipped) -> Ignore:
-        """Store the delivery as skipped; the `Ignore` to raise."""
-
-    def defer(self, countdown: float, why: str, headers: dict[str, Any] | None = None) -> Ignore:
-        """Publish the message again and end the delivery; the `Ignore` to raise."""
+    def attempt(self, wait: float = 0.0, rounds: int | None = None) -> Outcome: ...
+    def publish_again(self, countdown: float, headers: dict[str, Any] | None = None) -> float: ...
+    def report_duplicate(self, policy: str, holder: Owner | None) -> None: ...
+    def skip(self, skipped: DuplicateSkipped) -> Ignore: ...
+    def defer(
+        self, countdown: float, why: str, headers: dict[str, Any] | None = None
+    ) -> Ignore: ...
 
 
 def coalesce(run: CoalescingRun, holder_text: str) -> Outcome:

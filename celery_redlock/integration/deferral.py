@@ -1,9 +1,7 @@
-"""Deferring a delivery: publishing its very message again to run later, which frees the pool
-process.
+"""Deferring a delivery: publishing its very message again to run later, freeing the pool process.
 
-A deferral acknowledges the delivery only once its copy is published, and so does a retry that
-``on_duplicate="retry"`` asks of Celery. When publishing fails (the broker is down or refuses, the
-producer's connection is lost), `DeferralNotPublished` tells the run, which waits for its lock in
+A deferral (or an ``on_duplicate="retry"`` retry) acknowledges the delivery only once its copy is
+published; when publishing fails, `DeferralNotPublished` tells the run, which waits for its lock in
 its process instead (`run.Run.wait_instead`).
 """
 
@@ -17,13 +15,11 @@ DEFERRED_HEADER = "celery_redlock_deferred"
 
 
 class DeferralNotPublished(Exception):
-    """The broker did not take a deferral or a retry; ``error`` says why. Raised by `Run.defer`
-    and `Run.retry` and handled by the run itself (`Run.wait_instead`): it never reaches Celery or
-    the caller."""
+    """The broker did not take a deferral or a retry; ``error`` says why. Handled by the run
+    itself (`Run.wait_instead`): it never reaches Celery or the caller."""
 
     def __init__(self, why: str, error: BaseException) -> None:
         super().__init__(f"{why}; publishing the deferral failed: {error!r}")
-        self.why = why
         self.error = error
 
 

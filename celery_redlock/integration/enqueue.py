@@ -18,8 +18,6 @@ from .keys import as_delivered
 
 logger = logging.getLogger(__name__)
 
-# Canvas options whose work would be dropped if the call were answered with another call's
-# result: such calls are always queued.
 CANVAS_OPTIONS = ("link", "link_error", "chain", "chord", "group_id")
 # Options Celery passes when it publishes the continuation of a run already under way.
 CONTINUATION_OPTIONS = ("retries", "replaced_task_nesting", "parent_id")

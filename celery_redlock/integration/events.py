@@ -39,14 +39,8 @@ def remember_worker(sender: Any = None, **_: Any) -> None:
         app.__dict__[WORKER_ATTRIBUTE] = facts
 
 
-def worker_facts(app: Any) -> WorkerFacts | None:
-    """The facts of the worker consuming for ``app`` in this process, or None outside one."""
-    facts: WorkerFacts | None = app.__dict__.get(WORKER_ATTRIBUTE)
-    return facts
-
-
 def _sends_events(task: Any) -> WorkerFacts | None:
-    facts = worker_facts(task.app)
+    facts: WorkerFacts | None = task.app.__dict__.get(WORKER_ATTRIBUTE)
     if facts is None or not facts.task_events or not task.send_events:
         return None
     return facts

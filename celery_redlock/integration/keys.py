@@ -1,14 +1,14 @@
 """Lock keys for task calls: which arguments identify a piece of work, hashed.
 
-Arguments are bound to the task's signature with defaults applied, so ``f(1)`` and ``f(x=1)``
-give the same key. They are encoded as canonical JSON — sorted keys; tagged forms for UUID,
-datetime, date, time, Decimal, bytes, sets, dicts with keys that are not strings, and the request
-an errback receives — and hashed with SHA-256. Raw argument values never reach Redis.
+Arguments are bound to the task's signature with defaults applied (``f(1)`` and ``f(x=1)`` give
+one key), encoded as canonical JSON (sorted keys; tagged forms for UUID, datetime, date, time,
+Decimal, bytes, sets, dicts with keys that are not strings, and an errback's request) and hashed
+with SHA-256: raw argument values never reach Redis.
 
 Keys depend on values *as the worker receives them*: at enqueue time (``lock_on_enqueue``) the
-arguments first go through the task's serializer and back (`as_delivered`), so both sides of the
-broker compute one key for one call. Numbers keep their type (``1``, ``1.0`` and
-``Decimal("1")`` are three keys; ``True`` is not ``1``), tuples and lists are the same sequence.
+arguments first go through the task's serializer and back (`as_delivered`). Numbers keep their
+type (``1``, ``1.0`` and ``Decimal("1")`` are three keys; ``True`` is not ``1``); tuples and lists
+are the same sequence.
 """
 
 from __future__ import annotations
@@ -62,7 +62,6 @@ def _encode_special(value: Any) -> Any:
 _SCALARS = (str, int, float, bool, type(None))
 
 MAX_NESTING = 100
-"""The deepest nesting of lists and dicts an argument may have to be keyed."""
 
 
 class TooDeep(ValueError):
@@ -70,10 +69,9 @@ class TooDeep(ValueError):
 
 
 def _with_typed_keys(value: Any, depth: int = 0) -> Any:
-    """``value`` with every dict whose keys are not all strings in a tagged form, so that
-    ``{1: "a"}`` and ``{"1": "a"}`` (different calls under pickle or msgpack) differ. Values
-    without such dicts come back unchanged, without copying. Raises `TooDeep` past
-    `MAX_NESTING` levels (a self-referencing list would otherwise recurse for ever)."""
+    """``value`` with every dict whose keys are not all strings tagged, so that ``{1: "a"}`` and
+    ``{"1": "a"}`` (different calls under pickle or msgpack) differ; otherwise not copied.
+    `TooDeep` past `MAX_NESTING` levels (a self-referencing list would recurse for ever)."""
     if isinstance(value, _SCALARS):
         return value
     if depth >= MAX_NESTING:
@@ -108,7 +106,6 @@ def canonical_json(value: Any) -> str:
 
 
 def digest(text: str) -> str:
-    """The SHA-256 hex digest of ``text``."""
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -135,11 +132,8 @@ def run_signature(task_class: type) -> inspect.Signature:
 
 def template_fields(template: str) -> list[str]:
     """The argument names a ``str.format`` template refers to (``"{a.b}"`` refers to ``a``)."""
-    names = []
-    for _, field_name, _, _ in string.Formatter().parse(template):
-        if field_name is not None:
-            names.append(field_name.split(".", 1)[0].split("[", 1)[0])
-    return names
+    parsed = string.Formatter().parse(template)
+    return [name.split(".", 1)[0].split("[", 1)[0] for _, name, _, _ in parsed if name is not None]
 
 
 def check_key_options(

@@ -38,7 +38,6 @@ MISSPELLING_CUTOFF = 0.8
 ``lock_tll`` (0.88) and ``on_dupliacte`` (0.92) are; a task's own ``lock`` (0.67) is not."""
 
 PLAN_ATTRIBUTE = "_celery_redlock_plan"
-"""Where a task instance keeps its `TaskPlan` (in its ``__dict__``, computed on first use)."""
 
 
 @dataclass(frozen=True)
@@ -142,10 +141,8 @@ def check_class_options(task_class: type) -> None:
 
 
 def check_option_names(task_class: type, name: str) -> None:
-    """Raise `ConfigurationError` for a name that ``task_class`` adds to its bases (a keyword of
-    ``@singleton_task(...)`` or ``app.task(base=SingletonTask, ...)``, or a class attribute) when
-    it is close to a lock option: a misspelled option would silently leave the default in force.
-    Celery's task options and every other name pass."""
+    """Raise `ConfigurationError` for a name ``task_class`` adds to its bases (a task option or
+    class attribute) that is close to a lock option: a typo would silently keep the default."""
     inherited = {attribute for base in task_class.__mro__[1:] for attribute in dir(base)}
     for attribute in task_class.__dict__:
         if attribute in inherited or attribute.startswith("__"):

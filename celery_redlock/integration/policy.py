@@ -1,11 +1,9 @@
 """What a task run does with the outcome of an attempt at its lock: one pure decision.
 
-`decide` maps a `Situation` — the attempt's outcome, how the lock's holder relates to this
-delivery, the task's policies, whether the run may still wait in its process, whether it runs
-eagerly — to one `Action`. It talks to no node and no broker, so every combination is tested
-without Redis; `run` carries the action out.
-
-The table, in words:
+`decide` maps a `Situation` (the attempt's outcome, how the lock's holder relates to this
+delivery, the task's policies, whether the run may still wait in its process or runs eagerly) to
+one `Action`, which `run` carries out. It talks to no node and no broker, so every combination is
+tested without Redis. The table, in words:
 
 - acquired: run the body; the record says this very message ran: acknowledge it;
 - no quorum: ``on_unavailable`` — "run" unguarded, "raise", or "retry": wait for the nodes
@@ -35,30 +33,19 @@ class Action(enum.Enum):
     """What the run does next."""
 
     RUN = "run"
-    """Run the body under the lock."""
-    RUN_UNGUARDED = "run-unguarded"
-    """Run the body without a lock (``on_unavailable="run"``)."""
-    ACKNOWLEDGE = "acknowledge"
-    """This very message ran already: acknowledge it without running it."""
-    DEFER = "defer"
-    """Publish this message again to run later, and end this delivery."""
-    WAIT = "wait"
-    """Wait in this process for the holder's release (or a decision), then decide again."""
-    WAIT_FOR_NODES = "wait-for-nodes"
-    """Wait for a quorum of lock nodes: in this process for a while, then deferred."""
+    RUN_UNGUARDED = "run-unguarded"  # on_unavailable="run"
+    ACKNOWLEDGE = "acknowledge"  # this very message ran already
+    DEFER = "defer"  # publish this message again to run later, ending this delivery
+    WAIT = "wait"  # in this process, for the holder's release (or a decision); then decide again
+    WAIT_FOR_NODES = "wait-for-nodes"  # in this process a while, then deferred
     SKIP = "skip"
-    """A true duplicate under ``on_duplicate="skip"``: record it as skipped."""
-    COALESCE = "coalesce"
-    """A true duplicate under ``on_duplicate="coalesce"``: become the pending run, or merge."""
-    RETRY = "retry"
-    """A true duplicate under ``on_duplicate="retry"``: Celery's retry, backing off."""
-    RAISE = "raise"
-    """Fail the run with the outcome's error (`LockNotAcquired` or `QuorumUnavailable`)."""
+    COALESCE = "coalesce"  # become the pending run, or merge into it
+    RETRY = "retry"  # Celery's retry, backing off
+    RAISE = "raise"  # the outcome's error: LockNotAcquired or QuorumUnavailable
 
 
 OUTCOMES = ("acquired", "covered", "held", "contended", "unavailable")
-RELATIONS = ("same", "earlier", "continuation", "other")
-"""How a holder relates to a delivery (see `run.relation_of`)."""
+RELATIONS = ("same", "earlier", "continuation", "other")  # see relation_of
 
 _ON_UNAVAILABLE = {
     "run": Action.RUN_UNGUARDED,
@@ -145,7 +132,6 @@ def relation_of(holder: Owner | None, request: Any) -> str:
 
 
 def outcome_name(outcome: Outcome) -> str:
-    """The name `policy` knows an outcome by."""
     if isinstance(outcome, Acquired):
         return "acquired"
     if isinstance(outcome, Covered):

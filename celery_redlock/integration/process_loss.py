@@ -18,7 +18,7 @@ from celery.worker.request import Request
 
 from ..lock.owner import run_prefix
 from ..lock.redlock import release_if_owner
-from .messages import stamp_received
+from .messages import RECEIVED_FIELD
 
 logger = logging.getLogger(__name__)
 
@@ -27,11 +27,8 @@ PROCESS_LOST_ERRORS = (WorkerLostError, Terminated)
 
 
 def free_lost_run(task: Any, task_id: str | None, args: Any, kwargs: Any, pid: int | None) -> None:
-    """Free the lock a run of ``task_id`` held in process ``pid`` of this host, which is gone.
-
-    Only that process's lock is deleted (matched by task id, process and host), never a later
-    attempt's of the same task id running elsewhere.
-    """
+    """Free the lock a run of ``task_id`` held in process ``pid`` of this host, which is gone:
+    matched by task id, process and host, never a later attempt's running elsewhere."""
     if task_id is None or pid is None:
         return
     try:
@@ -71,20 +68,19 @@ def wait_until_gone(pid: int, timeout: float) -> bool:
 
 
 class LockAwareRequest(Request):  # type: ignore[misc]
-    """The worker's request object for singleton tasks (``SingletonTask.Request``).
-
-    Runs in the worker's main process. When the process running a singleton task is lost, it
-    frees that process's lock *before* Celery requeues or reports the task (so a requeued copy
-    with ``reject_on_worker_lost`` runs at once) — and, at a hard time limit, only after the pool
-    has killed the process (Celery calls ``on_timeout`` before it kills it). It also notes when
-    the message was received (`messages.stamp_received`), which tells a run
-    whether a copy may still come. A custom ``Request`` for a singleton task must subclass this
-    one.
+    """The worker's request object for singleton tasks (``SingletonTask.Request``), in the worker's
+    main process. When the process running a singleton task is lost, it frees that process's lock
+    *before* Celery requeues or reports the task (so a requeued copy with ``reject_on_worker_lost``
+    runs at once) — and, at a hard time limit, only after the pool has killed the process (Celery
+    calls ``on_timeout`` before it kills it). It also notes when the message was received, which
+    tells a run whether a copy may still come. A custom ``Request`` for a singleton task must
+    subclass this one.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        stamp_received(self.request_dict)
+        # The pool hands request_dict to the task's request (`messages.copy_may_come` reads it).
+        self.request_dict[RECEIVED_FIELD] = time.time()
 
     def on_failure(
         self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False
@@ -99,13 +95,8 @@ class LockAwareRequest(Request):  # type: ignore[misc]
 
     def on_timeout(self, soft: bool, timeout: float) -> Any:
         if not soft and self.worker_pid is not None:
-            task, task_id, args, kwargs, pid = (
-                self.task,
-                self.id,
-                self.args,
-                self.kwargs,
-                self.worker_pid,
-            )
+            task, task_id, pid = self.task, self.id, self.worker_pid
+            args, kwargs = self.args, self.kwargs
 
             def free_once_gone() -> None:
                 # Past the lock's ttl the lock is gone anyway (the keeper stopped at the limit).

@@ -1,18 +1,17 @@
 """One run of a singleton task, top to bottom (`Run.execute`), right before the body: a delivery in
-the worker — so ``delay``, ``apply_async``, ``send_task``, beat, canvas and retries are all covered
-— or a plain function call (``task(...)``), which has no message to publish again:
+the worker (``delay``, ``apply_async``, ``send_task``, beat, canvas, retries) or a plain function
+call (``task(...)``), which has no message to publish again:
 
-1. the run's lock state (a fresh token, the owner text, the message's completion record) is
-   registered on the request before any SET is sent, so that whatever interrupts the acquisition,
-   the ``task_postrun`` handler (`wiring`) can release by that token;
-2. one attempt at the lock; `policy.decide` maps its outcome, the holder's relation
-   to this delivery and the task's policies to one action, which is carried out here — run, wait
-   and decide again, defer (publish this message again), acknowledge, skip, retry or raise;
+1. the run's lock state (token, owner text, the message's completion record) is registered on the
+   request before any SET is sent, so that whatever interrupts the acquisition, the
+   ``task_postrun`` handler (`wiring`) can release by that token;
+2. one attempt at the lock; `policy.decide` maps its outcome, the holder's relation to this
+   delivery and the task's policies to one action, carried out here;
 3. the body runs while the lock keeper extends the lock;
 4. the moment the body ends, `Run.finish` releases the lock (or keeps it ``lock_hold`` seconds)
-   and, where a copy of the message may still come (`messages.copy_may_come`),
-   records that this message's attempt completed, in one round — before Celery publishes
-   callbacks, the next chain step or a chord's body, which may need the same lock.
+   and, where a copy of the message may still come (`messages.copy_may_come`), records that this
+   attempt completed, in one round — before Celery publishes callbacks, the next chain step or a
+   chord's body, which may need the same lock.
 
 Nothing acknowledges a message without running its body unless the body ran (the record says
 so), will run from a message published first (a deferral), or a policy the user chose skipped a
@@ -48,7 +47,6 @@ from .policy import Action, Situation, decide, outcome_name, relation_of
 logger = logging.getLogger(__name__)
 
 RUN_ATTRIBUTE = "celery_redlock_run"
-"""The task request attribute holding the current delivery's `Run`."""
 
 IN_PROCESS_WAIT = 5.0
 """Seconds a continuation waits for its predecessor's release, or a split vote for a decision,
@@ -65,12 +63,10 @@ UNAVAILABLE_LONGEST_PAUSE = 0.5
 the nodes' own back-off of at most 0.5 s, runs start within about a second of their return."""
 
 UNPUBLISHED_PAUSE = 5.0
-"""Seconds a delivery whose deferral was not published waits for its lock in its process before
-it tries to publish again."""
+"""Seconds a delivery whose deferral failed waits for its lock before it tries to publish again."""
 
 ACKS_LATE_PATIENCE = 10.0
-"""Seconds an ``acks_late`` delivery waits in its process after a deferral was not published,
-before its message goes back to the broker."""
+"""Longest wait of an ``acks_late`` delivery whose deferral failed, before it is requeued."""
 
 UNAVAILABLE_SINCE_HEADER = "celery_redlock_unavailable_since"
 """Message header: when a run first found no quorum (``redlock_unavailable_timeout`` counts
@@ -126,14 +122,11 @@ class Run:
         self.started = time.monotonic()
         self.kept: KeptLock | None = None
 
-    # -- the run, top to bottom --------------------------------------------------------------
-
     def execute(
         self, args: Sequence[Any], kwargs: dict[str, Any], body: Callable[[], Any] | None = None
     ) -> Any:
-        """Take the lock, run the body, release: the whole run (see the module docstring).
-        ``body`` runs the task (default: its ``run`` with ``args`` and ``kwargs``). A plain call
-        that skipped a duplicate returns None."""
+        """Take the lock, run ``body`` (default: the task's ``run(*args, **kwargs)``), release. A
+        plain call that skipped a duplicate returns None."""
         if body is None:
             run, body = self.task.run, lambda: run(*args, **kwargs)
         setattr(self.request, RUN_ATTRIBUTE, self)
@@ -235,8 +228,7 @@ class Run:
                 may_wait = False
 
     def attempt(self, wait: float = 0.0, rounds: int | None = None) -> Outcome:
-        """One attempt for this run, waiting up to ``wait`` seconds for the holder to go (an
-        infinite ``wait`` waits as long as it takes), of at most ``rounds`` rounds."""
+        """One attempt, waiting up to ``wait`` seconds for the lock (``inf``: as long as needed)."""
         replaces = claim_prefix(self.task_id) if self.plan.replaces_claims and self.task_id else ""
         return self.runtime.redlock.attempt(
             self.lock.resource,
@@ -250,8 +242,7 @@ class Run:
         )
 
     def hold_while_running(self, lock: Lock) -> None:
-        """Keep the acquired lock alive while the body runs (never past its hard time limit, which
-        only a worker enforces)."""
+        """Keep the lock alive while the body runs (in a worker, never past the hard time limit)."""
         hard_limit = self.time_limits[0] if self.can_publish else None
         deadline = None if hard_limit is None else time.monotonic() + hard_limit
         task, task_id = self.task, self.task_id
@@ -276,11 +267,9 @@ class Run:
             )
 
     def finish(self, state: str) -> bool:
-        """End the run's lock: release it (or keep it ``lock_hold`` more seconds, never on
-        RETRY), record that this message's attempt completed when the body ran and a copy may
-        come, and report it. Returns whether a majority confirmed the lock was still held.
-        Called again after an interruption (by the ``task_postrun`` handler), it finishes what
-        is left."""
+        """Release the lock (or keep it ``lock_hold`` more seconds, never on RETRY), record the
+        completed attempt where a copy may come, report; True once a majority confirmed it was
+        still held. Called again after an interruption (``task_postrun``), it finishes the rest."""
         kept = self.kept
         if kept is not None:
             self.runtime.keeper.stop(kept)
@@ -329,8 +318,6 @@ class Run:
         if getattr(self.request, RUN_ATTRIBUTE, None) is self:
             setattr(self.request, RUN_ATTRIBUTE, None)
 
-    # -- waiting -----------------------------------------------------------------------------
-
     def wait(self, outcome: Outcome, relation: str, holder: Owner | None) -> Outcome:
         """Wait in this process for the holder to release (or a split vote to resolve), then
         attempt again: a true duplicate for ``lock_wait`` seconds, anyone else briefly."""
@@ -342,15 +329,16 @@ class Run:
         return self.attempt(wait=min(self.plan.ttl, IN_PROCESS_WAIT))
 
     def wait_for_nodes(self, outcome: Unavailable) -> Outcome:
-        """No quorum answered (``on_unavailable="retry"``): wait for one — in this process for a
-        while, then deferred — without spending the task's retries, until
-        ``redlock_unavailable_timeout`` (counted from the first time this call found no quorum)
-        fails the task loudly. Returns the first outcome that is not `Unavailable`."""
+        """Wait for a quorum (``on_unavailable="retry"``), in this process a while, then deferred,
+        without spending the task's retries, until ``redlock_unavailable_timeout`` (counted from
+        this call's first miss) fails the task. Returns the first outcome not `Unavailable`."""
         request = self.request
         self.report_unavailable(outcome)
         since = float((request.headers or {}).get(UNAVAILABLE_SINCE_HEADER) or time.time())
         timeout = self.runtime.settings.unavailable_timeout
-        patience_ends = time.monotonic() + self.patience()
+        patience_ends = time.monotonic() + min(
+            [UNAVAILABLE_PATIENCE, *(limit / 2 for limit in self.time_limits if limit)]
+        )
         logger.warning(
             "task %s[%s] waits for a quorum of lock nodes: %s",
             self.task.name,
@@ -385,14 +373,12 @@ class Run:
             outcome = next_outcome
 
     def wait_instead(self, outcome: Outcome, failure: DeferralNotPublished) -> Outcome:
-        """The deferral (or retry) of this delivery, whose last attempt ended in ``outcome``, was
-        not published: wait for the lock in this process a while — `UNPUBLISHED_PAUSE` seconds
-        per try — and return the next outcome, to decide again. Once it has waited as long as it
-        may, raise: `Reject` (requeue) for an ``acks_late`` message, which the broker still
-        holds, after `ACKS_LATE_PATIENCE` seconds at most; else, with a time limit, the
-        publishing error at half the tighter limit, rather than be killed by it unrecorded (a
-        message acknowledged on receipt is gone from the broker; with no limit it waits as long
-        as it takes)."""
+        """The deferral (or retry) was not published: wait for the lock here `UNPUBLISHED_PAUSE`
+        seconds and return the next outcome, to decide again. Once it may wait no longer, raise:
+        `Reject` (requeue) for an ``acks_late`` message, which the broker still holds, after
+        `ACKS_LATE_PATIENCE` seconds; else the publishing error at half the tighter time limit,
+        rather than be killed by it unrecorded (a message acknowledged on receipt is gone from the
+        broker; with no limit it waits as long as it takes)."""
         limits = [limit / 2 for limit in self.time_limits if limit]
         acks_late = bool(self.task.acks_late)
         if acks_late:
@@ -427,13 +413,6 @@ class Run:
             return self.attempt(rounds=1)
         return self.attempt(wait=pause)
 
-    def patience(self) -> float:
-        """How long this run may wait in its process for lock nodes: well within its limits."""
-        limits = [limit for limit in self.time_limits if limit]
-        return min([UNAVAILABLE_PATIENCE, *(limit / 2 for limit in limits)])
-
-    # -- decisions that end a delivery without running it ----------------------------------
-
     def acknowledge(self) -> Ignore:
         """This very message ran already (the broker delivered it again): acknowledge it without
         running it. The first run's stored result stays; a caller or monitor that knows no final
@@ -464,16 +443,14 @@ class Run:
         if relation == "continuation":
             return self.defer(outcome.expires_in + 0.1, "its predecessor still holds the lock")
         # The broker delivered this attempt again while a copy of it holds the lock (a visibility
-        # timeout, a lost connection, a dead host), or the application sent the same task id
-        # again: run it once the holder is gone — or acknowledge it then, if the record says
-        # this very message completed.
+        # timeout, a lost connection, a dead host), or the application sent the task id again:
+        # run it once the holder is gone (or acknowledge it then, if the record says it ran).
         self.report_duplicate("redelivered", holder)
         return self.defer(outcome.expires_in + 0.1, f"a copy of it holds the lock ({holder})")
 
     def defer(self, countdown: float, why: str, headers: dict[str, Any] | None = None) -> Ignore:
-        """Publish this very message again to run after ``countdown`` seconds, and end this
-        delivery: the work lives on in the new message. Raises `DeferralNotPublished` when the
-        broker does not take it (the delivery goes on: `wait_instead`)."""
+        """Publish this very message again to run after ``countdown`` seconds, ending this delivery;
+        `DeferralNotPublished` when the broker does not take it (then: `wait_instead`)."""
         if self.request.is_eager:
             raise LockNotAcquired(self.lock.key, why)
         try:
@@ -486,20 +463,15 @@ class Run:
         return Ignore()
 
     def publish_again(self, countdown: float, headers: dict[str, Any] | None = None) -> float:
-        """Publish this very message again to run after about ``countdown`` seconds (see
-        `deferral.publish_again`); returns the countdown used. A run that goes on
-        after this (a pending coalesced run's insurance copy) records itself when its body ran,
-        so that the copy is acknowledged when it comes."""
+        """Publish this message again (`deferral.publish_again`); a run that goes on after it (a
+        pending coalesced run) records itself once its body ran, so the copy is acknowledged."""
         self.writes_record = True
         return publish_again(self.task, self.request, countdown, headers)
 
     def skip(self, skipped: DuplicateSkipped) -> Ignore:
-        """Store the skip so a caller waiting on the result gets an answer instead of a hang,
-        and count it for a chord the run belongs to, so the chord never waits for ever.
-
-        Celery treats only SUCCESS, FAILURE and REVOKED as finished; REVOKED ("will not run") is
-        the one that fits, with `DuplicateSkipped` as the result ``AsyncResult.get()`` raises.
-        """
+        """Store the skip as REVOKED (Celery's only finished state meaning "will not run"), so a
+        caller's ``AsyncResult.get()`` raises ``skipped`` instead of hanging, and count it for the
+        run's chord, which would otherwise wait for ever."""
         task, request = self.task, self.request
         if request.is_eager or not self.can_publish:
             return Ignore()
@@ -535,19 +507,13 @@ class Run:
             raise DeferralNotPublished("retrying", rejected.reason) from rejected
         return retried
 
-    # -- reports -----------------------------------------------------------------------------
-
     def stores_results(self) -> bool:
-        """Whether this delivery's results are stored (neither the task nor the call ignores
-        them)."""
         return not (self.task.ignore_result or getattr(self.request, "ignore_result", False))
 
     def holder_text(self, outcome: Outcome) -> str:
-        """A human description of whoever holds the lock in ``outcome``."""
         return describe_holder(outcome.holder if isinstance(outcome, Held) else None)
 
     def report_duplicate(self, policy: str, holder: Owner | None) -> None:
-        """Report (signal, event) what this delivery did about a lock it did not get."""
         events.report(
             self.task,
             signals.lock_duplicate,
@@ -558,7 +524,6 @@ class Run:
         )
 
     def report_unavailable(self, outcome: Outcome) -> None:
-        """Report that no quorum of lock nodes answered this delivery."""
         events.report(
             self.task,
             signals.lock_unavailable,
@@ -589,7 +554,6 @@ def current_run(task: Any) -> Run | None:
 
 
 def state_after(error: BaseException) -> str:
-    """The Celery state a body that raised ``error`` ends in."""
     if isinstance(error, Retry):
         return str(states.RETRY)
     if isinstance(error, Ignore):

@@ -31,9 +31,8 @@ class AppRuntime:
 
     @staticmethod
     def install(app: Any, runtime: AppRuntime | None) -> AppRuntime | None:
-        """Give ``app`` this runtime (None: none, so the next use creates one from the app's
-        settings); returns the one it replaced. For test harnesses that keep a runtime across
-        tests with the same settings."""
+        """Give ``app`` this runtime (None: the next use creates one); returns the one it replaced.
+        For test harnesses that keep a runtime across tests with the same settings."""
         previous: AppRuntime | None = app.__dict__.pop(RUNTIME_ATTRIBUTE, None)
         if runtime is not None:
             app.__dict__[RUNTIME_ATTRIBUTE] = runtime
@@ -50,9 +49,8 @@ class AppRuntime:
         return runtime  # type: ignore[no-any-return]
 
     def check_nodes(self) -> None:
-        """Once per app and process: warn about an even node count and passwords in URLs.
-        Whether the nodes answer is the worker's start-up report (`celery_redlock.admin.startup`,
-        on ``worker_ready``)."""
+        """Once per app and process: warn about an even node count and passwords in URLs (whether
+        the nodes answer is the worker's start-up report, `celery_redlock.admin.startup`)."""
         if self._nodes_checked:
             return
         self._nodes_checked = True

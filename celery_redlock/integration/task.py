@@ -1,8 +1,5 @@
 """`SingletonTask` and `singleton_task`: Celery tasks that run at most once at a time per key.
-
-The task class holds the lock options and what users call; one run, top to bottom — a worker's
-delivery or a plain function call — is `run.Run`.
-"""
+The task class holds the lock options and what users call; one run is `run.Run`."""
 
 from __future__ import annotations
 
@@ -35,7 +32,6 @@ class SingletonTask(Task):  # type: ignore[misc]
     starts (a worker with a bad option or setting refuses to start).
     """
 
-    abstract = True
     # Frees the lock from the worker's main process when the process running the task is lost.
     Request = LockAwareRequest
 
@@ -73,12 +69,10 @@ class SingletonTask(Task):  # type: ignore[misc]
         return run.lock if run is not None and run.kept is not None else None
 
     def extend_lock(self, ttl: float | None = None) -> bool:
-        """Extend the current run's lock now (to ``ttl`` seconds, default the lock ttl).
-
-        Returns True once a majority extended it, False when no majority answered but the lock
-        is still valid; raises `LockLost` when the lock is gone, so a long task can stop at its
-        next step. Never extends past the run's hard time limit.
-        """
+        """Extend the current run's lock now (to ``ttl`` seconds, default the lock ttl), never past
+        the run's hard time limit. True once a majority extended it, False when no majority
+        answered but the lock is still valid; raises `LockLost` when the lock is gone, so a long
+        task can stop at its next step."""
         run = current_run(self)
         if run is None or run.kept is None:
             raise RedlockError(
@@ -92,9 +86,8 @@ class SingletonTask(Task):  # type: ignore[misc]
         return extended
 
     def start_strategy(self, app: Any, consumer: Any, **kwargs: Any) -> Any:
-        """Check the settings and this task's options when the worker starts (in its main
-        process): an error here stops the worker instead of failing every run later, with one
-        log line that names the setting and the fix."""
+        """Check the settings and options when the worker starts: a bad one stops the worker, with
+        one log line naming the setting and the fix, instead of failing every run later."""
         try:
             self.lock_plan.runtime.check_nodes()
         except ConfigurationError as error:
@@ -111,12 +104,9 @@ class SingletonTask(Task):  # type: ignore[misc]
         **options: Any,
     ) -> Any:
         """Queue the task; with ``lock_on_enqueue``, return the queued or running call's
-        ``AsyncResult`` instead of queueing a duplicate (`enqueue`).
-
-        Retries, replacements and other continuations are always queued, and so are calls with
-        callbacks, errbacks or chord options (answering them with another call's result would
-        drop those). When no quorum answers, the call is queued and the run lock guards it.
-        """
+        ``AsyncResult`` instead of queueing a duplicate. Continuations (retries, replacements)
+        and calls with callbacks, errbacks or chord options, which another call's result would
+        drop, are always queued; so is a call no quorum answers (the run lock guards it)."""
         if not enqueue.needs_claim(self, options):
             return super().apply_async(args, kwargs, task_id=task_id, **options)
         found = enqueue.claim(self, args, kwargs, task_id, options)

@@ -1,20 +1,17 @@
-"""The signal connections through which celery_redlock hooks into Celery besides the task's own
-``__call__``; `connect`, called when the package is imported, makes the connections — the
-package's only module-level state:
+"""The signal handlers through which celery_redlock hooks into Celery besides the task's own
+``__call__``, connected by `connect` when the package is imported (its only module-level state):
 
 - ``before_task_publish``: every new task message gets its identity (`messages`);
-- ``task_postrun``, which fires for every outcome: `run.release_leftovers` releases whatever a
-  run left registered on its request — an acquisition interrupted between sending and deciding
-  (a soft time limit, a signal), or a release interrupted itself. Normally a run has released
-  the moment its body ended;
-- ``worker_init``, in the worker's main process: remember the worker's name and whether it sends
-  events (`events`), and start the reaper timer when ``redlock_reap_interval`` is
-  set (`celery_redlock.admin.reap`);
-- ``worker_ready``, in the worker's main process just before Celery logs "ready": the start-up
-  report on the lock nodes (`celery_redlock.admin.startup`).
+- ``task_postrun``, which fires for every outcome: `run.release_leftovers` releases what a run
+  left on its request — an acquisition interrupted between sending and deciding (a soft time
+  limit, a signal), or an interrupted release;
+- in the worker's main process, ``worker_init``: remember the worker's name and whether it sends
+  events (`events`), and start the reaper timer when ``redlock_reap_interval`` is set
+  (`celery_redlock.admin.reap`); ``worker_ready``: the start-up report on the lock nodes
+  (`celery_redlock.admin.startup`).
 
-Lost pool processes are handled by the request class, `process_loss`
-(`LockAwareRequest`, importable from here too, as in 0.2).
+Lost pool processes are handled by the request class (`process_loss.LockAwareRequest`,
+importable from here too, as in 0.2).
 """
 
 from __future__ import annotations
@@ -42,18 +39,11 @@ def start_reaper(sender: Any = None, **_: Any) -> None:
 
 def connect() -> None:
     """Connect the handlers (once: Celery's dispatch uids make it idempotent)."""
-    celery_signals.before_task_publish.connect(
-        name_message, weak=False, dispatch_uid="celery_redlock.name_message"
-    )
-    celery_signals.task_postrun.connect(
-        release_leftovers, weak=False, dispatch_uid="celery_redlock.release_leftovers"
-    )
-    celery_signals.worker_init.connect(
-        remember_worker, weak=False, dispatch_uid="celery_redlock.remember_worker"
-    )
-    celery_signals.worker_init.connect(
-        start_reaper, weak=False, dispatch_uid="celery_redlock.start_reaper"
-    )
-    celery_signals.worker_ready.connect(
-        report_lock_nodes, weak=False, dispatch_uid="celery_redlock.report_lock_nodes"
-    )
+    for signal, handler in (
+        (celery_signals.before_task_publish, name_message),
+        (celery_signals.task_postrun, release_leftovers),
+        (celery_signals.worker_init, remember_worker),
+        (celery_signals.worker_init, start_reaper),
+        (celery_signals.worker_ready, report_lock_nodes),
+    ):
+        signal.connect(handler, weak=False, dispatch_uid=f"celery_redlock.{handler.__name__}")
