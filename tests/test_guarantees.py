@@ -437,7 +437,14 @@ def test_a_failed_publish_releases_the_enqueue_claim(
     unreachable = RedisServer().start()
     url = unreachable.url
     unreachable.stop()
-    app = make_app(broker, lock_nodes, broker_url=url, task_publish_retry=False)
+    app = make_app(
+        broker,
+        lock_nodes,
+        broker_url=url,
+        task_publish_retry=False,
+        # the transport's own connection retries (6 s) would only delay the same failure
+        broker_transport_options={"polling_interval": 0.1, "max_retries": 0},
+    )
 
     @singleton_task(app=app, shared=False, name="edge.enqueue_fail", lock_on_enqueue=True)
     def job(item: int) -> int:
