@@ -369,7 +369,9 @@ def rounds_after_an_interruption(nodes: RedisNodes, at: int) -> tuple[bool, list
             for index, why in enumerate(result.failures):
                 if result.replies[index] is NO_REPLY and not why:
                     wrong.append(f"node {index} gave {key} no reply and no reason")
-                elif result.replies[index] is NO_REPLY and why.startswith("no reply within"):
+                elif result.replies[index] is NO_REPLY and (why or "").startswith(
+                    "no reply within"
+                ):
                     # The server is idle and local: its replies are owed to somebody else.
                     wrong.append(f"node {index} stalled {key}: {why}")
             if wrong:
@@ -620,7 +622,7 @@ def test_a_fork_while_threads_read_and_write_does_not_hang_the_child(
 
     def hammer(number: int) -> list[str]:
         key = list(values)[number]
-        problems = []
+        problems: list[str] = []
         while not stop.is_set() and not problems:
             result, wrong = rounds.read(key, values[key], every=False)
             problems = wrong + (["no quorum"] if result.successes < 2 else [])
@@ -635,7 +637,7 @@ def test_a_fork_while_threads_read_and_write_does_not_hang_the_child(
             report_from, report_to = os.pipe()
             child = os.fork()
             if child == 0:
-                report_and_exit(report_to, lambda fork=fork: rounds.full_cycle(f"forked-{fork}"))
+                report_and_exit(report_to, functools.partial(rounds.full_cycle, f"forked-{fork}"))
             os.close(report_to)
             assert child_outcome(child, report_from) == ("exit 0", [])
     finally:
