@@ -113,7 +113,7 @@ from pathlib import Path
 from typing import Any
 
 import redis
-from benchmark_support import server_version
+from benchmark_support import PRODUCTION_SERVER, server_version
 from celery import Celery, signals
 from celery_once import QueueOnce  # type: ignore[import-untyped]
 from celery_singleton import Singleton  # type: ignore[import-untyped]
@@ -1060,8 +1060,8 @@ def main(argv: list[str] | None = None) -> int:
     with (
         contextlib.ExitStack() as stack,
         tempfile.TemporaryDirectory(prefix="bench-celery-") as directory,
-        RedisServer() as broker,
-        RedisNodes(LOCK_NODES) as nodes,
+        RedisServer(extra_args=PRODUCTION_SERVER) as broker,
+        RedisNodes(LOCK_NODES, extra_args=PRODUCTION_SERVER) as nodes,
     ):
         candidate = None
         if options.candidate is not None:

@@ -79,7 +79,13 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Protocol
 
-from benchmark_support import cpu_model, interrupt_on_sigterm, server_version, variant_argument
+from benchmark_support import (
+    PRODUCTION_SERVER,
+    cpu_model,
+    interrupt_on_sigterm,
+    server_version,
+    variant_argument,
+)
 
 NODE_TIMEOUT = 0.05  # seconds: celery_redlock's default node_timeout, given to every client
 LOCK_TTL = 10.0  # seconds
@@ -1177,7 +1183,7 @@ def run(arguments: argparse.Namespace) -> Results:
         f"{env['cpu']}, {env['cpus']} CPUs; load {env['load_before']}; {env['redis_server']}",
         file=sys.stderr,
     )
-    with RedisNodes(NODES) as servers:
+    with RedisNodes(NODES, extra_args=PRODUCTION_SERVER) as servers:
         urls = servers.urls
         print(f"  started {NODES} redis-server nodes: {urls}", file=sys.stderr)
         observers = [redis.Redis.from_url(url, socket_timeout=10.0) for url in urls]

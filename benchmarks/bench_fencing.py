@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import redis
-from benchmark_support import cpu_model, percentile
+from benchmark_support import PRODUCTION_SERVER, cpu_model, percentile
 from sqlalchemy import Column, Engine, MetaData, String, Table, Text, create_engine, event, update
 from sqlalchemy.dialects import postgresql, sqlite
 
@@ -95,7 +95,7 @@ class CountingRedis(redis.Redis):
 
 
 def redis_cases(stack: ExitStack) -> tuple[dict[str, Write], Counter]:
-    server = stack.enter_context(RedisNodes(1))[0]
+    server = stack.enter_context(RedisNodes(1, extra_args=PRODUCTION_SERVER))[0]
     client = stack.enter_context(CountingRedis.from_url(server.url))
     return {
         "SET": lambda token: client.set("report", f"v{token}"),

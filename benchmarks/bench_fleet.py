@@ -72,7 +72,7 @@ from pathlib import Path
 from typing import Any
 
 import redis
-from benchmark_support import cpu_model, percentile, server_version
+from benchmark_support import PRODUCTION_SERVER, cpu_model, percentile, server_version
 from celery import Celery, signals
 
 import celery_redlock
@@ -815,8 +815,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     with (
         tempfile.TemporaryDirectory(prefix="bench-fleet-") as directory,
-        RedisServer() as broker,
-        RedisNodes(LOCK_NODES) as nodes,
+        RedisServer(extra_args=PRODUCTION_SERVER) as broker,
+        RedisNodes(LOCK_NODES, extra_args=PRODUCTION_SERVER) as nodes,
         busy_processes(options.busy),
     ):
         settings = FleetSettings(

@@ -64,7 +64,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis
-from benchmark_support import interrupt_on_sigterm, percentile, server_version, variant_argument
+from benchmark_support import (
+    PRODUCTION_SERVER,
+    interrupt_on_sigterm,
+    percentile,
+    server_version,
+    variant_argument,
+)
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
@@ -610,7 +616,7 @@ def run(arguments: argparse.Namespace) -> dict[str, Any]:
         file=sys.stderr,
     )
     healthy_samples = arguments.iterations * arguments.rounds
-    with RedisNodes(NODES) as servers:
+    with RedisNodes(NODES, extra_args=PRODUCTION_SERVER) as servers:
         urls = servers.urls
         ports = [server.port for server in servers]
         print(f"  started {NODES} redis-server nodes on ports {ports}", file=sys.stderr)

@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from benchmark_support import PRODUCTION_SERVER
 from celery import Celery, signals
 from celery.contrib.testing.worker import start_worker
 
@@ -153,7 +154,10 @@ def main(argv: list[str] | None = None) -> int:
     tasks = arguments.tasks
     if arguments.pin:
         os.sched_setaffinity(0, {0})  # the servers started now inherit it
-    with RedisServer() as broker, RedisNodes(arguments.nodes) as nodes:
+    with (
+        RedisServer(extra_args=PRODUCTION_SERVER) as broker,
+        RedisNodes(arguments.nodes, extra_args=PRODUCTION_SERVER) as nodes,
+    ):
         if arguments.pin:
             os.sched_setaffinity(0, {1})
         for number in range(arguments.rounds):
