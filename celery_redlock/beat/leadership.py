@@ -265,10 +265,11 @@ class LeaderMixin(Scheduler):  # type: ignore[misc]
             if record is not None:
                 self.adopt_entry_state(entry, record.last_run_at, record.total_run_count)
                 continued += 1
+        self._leader_lease = lease  # a shutdown during the write releases it
         if not self._write_records(lease, list(schedule.values())):
+            self._leader_lease = None
             self._give_up(lease, "the schedule records could not be written to a majority")
             return False
-        self._leader_lease = lease
         self._leader_extend_at = time.monotonic() + lease.remaining() / 3
         self._leader_standing_by = False
         self.populate_heap()
