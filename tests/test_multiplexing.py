@@ -23,6 +23,7 @@ import inspect
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -33,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis.connection
 from celery.result import AsyncResult
 from celery_apps.subprocesses import (
     WorkerProcess,
@@ -47,7 +49,7 @@ import celery_redlock.lock.nodes
 from celery_redlock import Redlock
 from celery_redlock.errors import DuplicateSkipped
 from celery_redlock.lock import keyspace, scripts
-from celery_redlock.lock.nodes import NO_REPLY, NodeGroup, RoundResult, members_from_urls
+from celery_redlock.lock.nodes import NO_REPLY, Endpoint, NodeGroup, RoundResult, members_from_urls
 from celery_redlock.lock.outcomes import Acquisition, Lock, Outcome, Tokens
 from celery_redlock.lock.owner import lock_value
 from celery_redlock.lock.replies import acquire_judge, judge_copy, judge_zero_or_one
@@ -401,6 +403,37 @@ def test_a_caller_interrupted_anywhere_leaves_the_connection_in_order(
     print(f"\n{points} points of interruption tried")
     assert points > 20
     assert problems == [], "\n".join(problems)
+
+
+def test_a_connect_interrupted_inside_redis_py_closes_the_socket_it_was_making(
+    one_node: RedisNodes,
+) -> None:
+    # A signal handler (a soft time limit) may raise while redis-py's connect holds a socket it
+    # has not handed over yet, and redis-py closes that socket on its own errors only. Raised
+    # here where it calls connect() on the socket, like a signal arriving during that call.
+    connect = redis.connection.Connection._connect.__code__
+    lines, first = inspect.getsourcelines(connect)
+    at = first + next(number for number, line in enumerate(lines) if "sock.connect(" in line)
+    held: list[socket.socket] = []
+
+    def in_connect(frame: Any, event: str, argument: Any) -> Any:
+        if event == "line" and frame.f_lineno == at:
+            held.append(frame.f_locals["sock"])
+            raise Interrupted("a signal")
+        return in_connect
+
+    def tracer(frame: Any, event: str, argument: Any) -> Any:
+        return in_connect if frame.f_code is connect else None
+
+    endpoint = Endpoint.from_url(one_node.urls[0], 1.0)
+    sys.settrace(tracer)
+    try:
+        with pytest.raises(Interrupted):
+            endpoint.open_socket()
+    finally:
+        sys.settrace(None)
+    assert len(held) == 1
+    assert held[0].fileno() == -1  # closed at once, not left to the garbage collector
 
 
 def test_callers_interrupted_by_signals_never_get_other_callers_replies(

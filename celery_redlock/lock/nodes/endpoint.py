@@ -24,6 +24,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterable
+from types import TracebackType
 from typing import Any
 
 import redis
@@ -141,6 +142,16 @@ def connection_options(
     return pool.connection_class, options
 
 
+def _close_unwound_sockets(trace: TracebackType | None) -> None:
+    """Close the sockets held by the frames an exception unwound (``trace``): nobody else can
+    reach them any more."""
+    while trace is not None:
+        for value in trace.tb_frame.f_locals.values():
+            if isinstance(value, socket.socket):
+                value.close()
+        trace = trace.tb_next
+
+
 class Endpoint:
     """One Redis server: its connection options, and its health in this process. ``name`` is
     the server as it may be shown (passwords redacted)."""
@@ -206,10 +217,12 @@ class Endpoint:
             # The one place the package takes redis-py's socket: the connection did the
             # handshake (AUTH, SELECT, TLS); the nodes layer reads and writes it from here on.
             sock: socket.socket = taken._sock
-        except BaseException:
-            # redis-py closes it on its own errors only: one interrupted (a signal handler
-            # raising: a soft time limit) is closed here, not left to the garbage collector.
+        except BaseException as error:
+            # redis-py closes its socket on its own errors only: one interrupted (a signal
+            # handler raising: a soft time limit) is closed here, not left to the garbage
+            # collector, whether the connection holds it or redis-py's connect still did.
             connection.disconnect()
+            _close_unwound_sockets(error.__traceback__)
             raise
         taken._sock = None
         return sock
