@@ -194,16 +194,20 @@ def test_a_frozen_chord_applied_twice_completes_twice(
     app = make_test_app()
     add = _define(app, kind, "add", run_log)
 
+    workflow = chord([add.s(1), add.s(2)], add.s(10))
+    frozen = workflow.freeze()  # the header's, the group's and the body's ids are fixed
+    header_ids = [result.id for result in frozen.parent.results]
     with embedded_worker(app, concurrency=3):
-        workflow = chord([add.s(1), add.s(2)], add.s(10))
-        frozen = workflow.freeze()  # the header's, the group's and the body's ids are fixed
-        header_ids = [result.id for result in frozen.parent.results]
         first = workflow.apply_async()
         assert first.get(timeout=15) == 13
-        # Forgotten, so that the second application's answer can only come from its own run.
-        first.forget()
-        second = workflow.apply_async()
-        assert second.id == first.id
+    # Forgotten, so that the second application's answer can only come from its own run.
+    first.forget()
+    # Queued whole before a worker runs it: Celery 5.7 clears the chord's "done" marker only as
+    # it publishes the last header task, and drops the part of a header task that finished
+    # before that (its race: a plain task's chord body then never runs either).
+    second = workflow.apply_async()
+    assert second.id == first.id
+    with embedded_worker(app, concurrency=3):
         for header_id in header_ids:
             _wait_for_runs(run_log, lock_signals, header_id, 2)
         _wait_for_runs(run_log, lock_signals, second.id, 2)
