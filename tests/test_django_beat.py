@@ -337,6 +337,44 @@ def test_new_leader_continues_from_the_newer_of_row_and_record(
         second.close()
 
 
+def test_a_change_seen_while_the_heap_is_built_sends_no_tick_twice(
+    broker: RedisServer, locks: RedisNodes, entries: Any
+) -> None:
+    """Another beat's write (a beat starting writes its default rows) that the leader sees while
+    it rebuilds its heap, after the pass's own check for changes: the pass sends from the rows
+    read then, and the next pass rebuilds the heap from the schedule again. The sent tick must
+    be in that schedule, or it is due again and sent twice (it was, once in CI)."""
+    from django_celery_beat.models import IntervalSchedule, PeriodicTasks
+
+    from celery_redlock.beat import LeaderDatabaseScheduler
+
+    class WrittenToWhileBuildingTheHeap(LeaderDatabaseScheduler):  # type: ignore[misc]
+        write_on_next_build = False
+
+        def populate_heap(self, *args: Any, **kwargs: Any) -> None:
+            if self.write_on_next_build:
+                self.write_on_next_build = False
+                PeriodicTasks.update_changed()
+            super().populate_heap(*args, **kwargs)
+
+    IntervalSchedule.objects.update(every=3600)  # each entry is due once in the test
+    entries.objects.update(last_run_at=datetime.now().astimezone() - timedelta(hours=2))
+    scheduler = WrittenToWhileBuildingTheHeap(app=in_process_app(broker, locks))
+    try:
+        scheduler.tick()  # takes the lease and sends one entry
+        assert scheduler.is_leader
+        assert queued(broker) == 1
+        PeriodicTasks.update_changed()  # seen by the next pass's check: it rebuilds the heap
+        scheduler.write_on_next_build = True  # seen while it does: the rows are read again
+        passes = [scheduler.tick() for _ in range(4)]
+        assert not scheduler.write_on_next_build
+        assert queued(broker) == 2, f"a tick was sent twice: {passes}"
+        state = database_state(entries)
+        assert all(state[name][1] == 1 for name in ENTRIES), state
+    finally:
+        scheduler.close()
+
+
 def test_a_row_is_never_written_back_to_an_older_state(entries: Any) -> None:
     """An entry saved with an older ``last_run_at`` than its row's (a leader paused past its
     lease, writing late) leaves the row alone; a newer one is written; a disabled row is not."""

@@ -81,6 +81,17 @@ class LeaderDatabaseScheduler(LeaderMixin, DatabaseScheduler):  # type: ignore[m
                 error,
             )
 
+    def reserve(self, entry: Any) -> Any:
+        """Advance ``entry`` (see `LeaderMixin.reserve`) and keep the advanced entry in the
+        schedule, as Celery's own scheduler does."""
+        new_entry = super().reserve(entry)
+        # django-celery-beat leaves the entry it advanced in its schedule and rebuilds the heap
+        # from there after a change it saw mid-pass: that stale copy would make the tick due again.
+        current = self._schedule.get(new_entry.name)
+        if current is not None and current.model is new_entry.model:
+            self._schedule[new_entry.name] = new_entry
+        return new_entry
+
     def should_sync(self) -> bool:
         """True while this beat leads: each tick's state is written right away."""
         return self.is_leader
