@@ -13,8 +13,9 @@ stamped with the sending beat's pid and the time) and three more are the lock no
   the database equals the ticks sent and its ``last_run_at`` is the time of the last one;
 - in this process: a beat taking the lease reads the rows again (its own copy is stale) and
   continues each entry from the newer of the row and the lock nodes' record, writing a record's
-  state to the row; a row's state is never written back to an older one; without
-  django-celery-beat the scheduler is refused with the extra to install.
+  state to the row; a change to the rows seen while the heap is rebuilt sends no tick twice; a
+  row's state is never written back to an older one; without django-celery-beat the scheduler
+  is refused with the extra to install.
 """
 
 from __future__ import annotations
