@@ -13,9 +13,9 @@ stamped with the sending beat's pid and the time) and three more are the lock no
   the database equals the ticks sent and its ``last_run_at`` is the time of the last one;
 - in this process: a beat taking the lease reads the rows again (its own copy is stale) and
   continues each entry from the newer of the row and the lock nodes' record, writing a record's
-  state to the row; a change to the rows seen while the heap is rebuilt sends no tick twice; a
-  row's state is never written back to an older one; without django-celery-beat the scheduler
-  is refused with the extra to install.
+  state to the row; a change to the rows seen while the heap is rebuilt, or a row write that
+  failed (the database locked), sends no tick twice; a row's state is never written back to an
+  older one; without django-celery-beat the scheduler is refused with the extra to install.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import itertools
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -373,6 +374,47 @@ def test_a_change_seen_while_the_heap_is_built_sends_no_tick_twice(
         state = database_state(entries)
         assert all(state[name][1] == 1 for name in ENTRIES), state
     finally:
+        scheduler.close()
+
+
+def test_a_row_write_that_failed_sends_no_tick_twice_when_the_rows_are_read_again(
+    broker: RedisServer,
+    locks: RedisNodes,
+    entries: Any,
+    database: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The leader's write of a tick's state fails (the database is locked by another writer):
+    django-celery-beat logs it and drops the write. When the rows are read again (a change, or
+    its sync every five minutes), the row is behind the tick sent; the leader continues the
+    entry from the tick it recorded, writes that to the row, and sends nothing twice."""
+    from django_celery_beat.models import IntervalSchedule, PeriodicTasks
+
+    from celery_redlock.beat import LeaderDatabaseScheduler
+
+    IntervalSchedule.objects.update(every=3600)  # each entry is due once in the test
+    entries.objects.update(last_run_at=datetime.now().astimezone() - timedelta(hours=2))
+    before = database_state(entries)
+    # Connections made from now on wait 50 ms for a lock another connection holds, not 20 s.
+    options = connections["default"].settings_dict["OPTIONS"]
+    monkeypatch.setitem(options, "timeout", 0.05)
+    connections["default"].close()
+    scheduler = LeaderDatabaseScheduler(app=in_process_app(broker, locks))
+    blocker = sqlite3.connect(database, isolation_level=None)
+    try:
+        blocker.execute("BEGIN IMMEDIATE")  # others read, no one else writes
+        passes = [scheduler.tick() for _ in range(3)]
+        assert scheduler.is_leader
+        assert queued(broker) == 2, passes
+        assert database_state(entries) == before, "the writes were meant to fail"
+        blocker.execute("COMMIT")
+        PeriodicTasks.update_changed()  # the next pass reads the rows again
+        passes += [scheduler.tick() for _ in range(3)]
+        assert queued(broker) == 2, f"a tick was sent twice: {passes}"
+        state = database_state(entries)
+        assert all(state[name][1] == 1 for name in ENTRIES), state
+    finally:
+        blocker.close()
         scheduler.close()
 
 

@@ -6,7 +6,8 @@ The database holds the schedule and every entry's state for all beats; the lock 
 leaders' records of the ticks they sent (`celery_redlock.beat.leadership`). The leader writes each
 tick's state to the database right after sending it; a beat taking the lease reads the schedule
 again and continues each entry from the newer of its row and its record (writing a record's state
-to the row at once); a follower never writes entry state; and no write moves a row's
+to the row at once), as the leader does whenever it reads the rows again (a write of its may have
+failed); a follower never writes entry state; and no write moves a row's
 ``last_run_at`` back or touches a disabled row, so a leader paused past its lease cannot overwrite
 its successor's writes.
 """
@@ -56,6 +57,18 @@ class LeaderDatabaseScheduler(LeaderMixin, DatabaseScheduler):  # type: ignore[m
     """
 
     Entry = LeaderModelEntry
+
+    def all_as_schedule(self) -> dict[str, Any]:
+        """The rows as entries. While leading, each continues from the newer of its row and this
+        beat's last record of it: a row whose write failed (django-celery-beat logs a database
+        error and drops it) is behind the tick sent, which would be due again."""
+        schedule: dict[str, Any] = super().all_as_schedule()
+        if self.is_leader:
+            for name, entry in schedule.items():
+                record = self._leader_recorded.get(name)
+                if record is not None:
+                    self.adopt_entry_state(entry, record.last_run_at, record.total_run_count)
+        return schedule
 
     def schedule_changed(self) -> bool:
         """Whether to read the schedule again: on a change django-celery-beat sees, and always

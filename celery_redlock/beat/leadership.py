@@ -130,6 +130,7 @@ class LeaderMixin(Scheduler):  # type: ignore[misc]
         self._leader_term = 0
         self._leader_sequence = 0
         self._leader_cleared: str | None = None  # the entry recorded and not yet published
+        self._leader_recorded: dict[str, EntryRecord] = {}  # this term's last record of each
         self._leader_standing_by = False
         self._leader_unavailable = False
         super().__init__(*args, **kwargs)
@@ -257,6 +258,7 @@ class LeaderMixin(Scheduler):  # type: ignore[misc]
         records = newest_records(reply for reply in read.replies if isinstance(reply, bytes))
         self._leader_term = max((record.term for record in records.values()), default=0) + 1
         self._leader_sequence = 0
+        self._leader_recorded = {}
         # Read once: a database-backed scheduler queries its database on every access.
         schedule = self.schedule
         continued = 0
@@ -313,6 +315,7 @@ class LeaderMixin(Scheduler):  # type: ignore[misc]
     def _write_records(self, lease: Lock, entries: Iterable[Any]) -> bool:
         """Store records of ``entries`` under ``lease``; True if a majority stored them."""
         arguments: list[str | int] = [lease.value]
+        written: dict[str, EntryRecord] = {}
         for entry in entries:
             last_run_at = getattr(entry, "last_run_at", None)
             if not isinstance(last_run_at, datetime):
@@ -326,6 +329,7 @@ class LeaderMixin(Scheduler):  # type: ignore[misc]
                 self._leader_sequence,
             )
             arguments += [entry.name, record.to_text()]
+            written[entry.name] = record
         result = run_script(
             self._leader_redlock,
             RECORD_BEAT_ENTRIES,
@@ -333,7 +337,10 @@ class LeaderMixin(Scheduler):  # type: ignore[misc]
             arguments,
             judge_zero_or_one,
         )
-        return result.successes >= self._leader_redlock.quorum
+        if result.successes < self._leader_redlock.quorum:
+            return False
+        self._leader_recorded.update(written)
+        return True
 
     def _may_send(self, entry: Any) -> bool:
         lease = self._leader_lease
