@@ -416,6 +416,7 @@ def test_a_row_write_that_failed_sends_no_tick_twice_when_the_rows_are_read_agai
     finally:
         blocker.close()
         scheduler.close()
+        connections["default"].close()  # the next one waits 20 s again
 
 
 def test_a_row_is_never_written_back_to_an_older_state(entries: Any) -> None:
