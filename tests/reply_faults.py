@@ -1,6 +1,7 @@
 """Faults between a shared connection and its server, injected where replies could reach the wrong
-caller: a socket whose next write is held at a gate (`GatedSocket`), and a TCP proxy on loopback
-that cuts connections at random as replies pass, or hands the replies over late (`FaultyProxy`).
+caller: a socket whose next write is held at a gate (`GatedSocket`), one that reads late
+(`LateReadingSocket`), and a TCP proxy on loopback that cuts connections at random as replies
+pass, or hands the replies over late (`FaultyProxy`).
 The servers stay real."""
 
 from __future__ import annotations
@@ -64,6 +65,25 @@ class NoisySocket:
         time.sleep(random.uniform(0, self.before))
         self.real.sendall(data)
         time.sleep(random.uniform(0, self.after))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+
+class LateReadingSocket:
+    """Stands in for a channel's socket; every ``recv`` first waits ``late`` seconds: the reader
+    of a busy host, which gets the CPU only after several replies arrived and reads them in one
+    go."""
+
+    def __init__(self, real: Any, late: float) -> None:
+        self.real = real
+        self.late = late
+
+    def recv(self, size: int, flags: int = 0) -> bytes:
+        if not flags:  # a peek checks the connection: no reader waits for it
+            time.sleep(self.late)
+        data: bytes = self.real.recv(size, flags)
+        return data
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.real, name)

@@ -12,14 +12,15 @@ from typing import Any
 import pytest
 from celery import Celery
 from redlock_support import value_on, wait_until
+from reply_faults import LateReadingSocket
 from topologies import SentinelGroup
 from topology_support import Rival, lock_managers, unique
 
 from celery_redlock import Redlock, admin
 from celery_redlock.errors import RedlockError
-from celery_redlock.lock.nodes import sentinel
+from celery_redlock.lock.nodes import Endpoint, sentinel
 from celery_redlock.lock.outcomes import Acquired, Held, Unavailable
-from celery_redlock.testing import RedisServer
+from celery_redlock.testing import RedisNodes, RedisServer
 
 pytestmark = pytest.mark.topology
 
@@ -233,6 +234,36 @@ def test_wait_replicas_refuses_a_grant_no_replica_acknowledged(group: SentinelGr
         assert lag > 0
         assert eager.release(granted.lock)
         assert wait_until(lambda: taken(waiting, unique("after")), timeout=5.0, interval=0.1)
+
+
+def test_a_member_waiting_for_replicas_counts_once_when_its_replies_are_read_together(
+    group: SentinelGroup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A member that waits for replicas answers a grant twice, back to back: the script's reply,
+    # then WAIT's. A reader that gets the CPU late reads both in one go; the member still counts
+    # once. With both other members frozen, one member of three neither extends a lock (its
+    # holder would go on while the lock expires on the majority) nor makes an attempt anything
+    # but unavailable (a duplicate there is skipped by the policy: work lost).
+    open_socket = Endpoint.open_socket
+    monkeypatch.setattr(
+        Endpoint, "open_socket", lambda self: LateReadingSocket(open_socket(self), late=0.02)
+    )
+    with (
+        RedisNodes(2) as others,
+        lock_managers([group.url, *others.urls], count=1, wait_replicas=1) as (manager,),
+    ):
+        lock = manager.acquire(unique("read together"), 20.0)
+        assert lock is not None
+        for other in others:
+            other.pause()
+        try:
+            extended = manager.extend(lock)
+            outcome = manager.attempt(unique("one member of three"), 10.0, rounds=1)
+        finally:
+            for other in others:
+                other.resume()
+        assert not extended
+        assert isinstance(outcome, Unavailable), outcome
 
 
 def test_a_grant_refused_for_want_of_replicas_leaves_nothing_behind(group: SentinelGroup) -> None:

@@ -257,7 +257,9 @@ class Round(Waiting):
 
     def deliver(self, slot: Slot) -> Callable[[], object] | None:
         call: NodeCall = slot.tag
-        if self.calls[call.index] is not call or not all(each.done for each in call.slots):
+        # A call is taken once, with its last slot: the slots of one call are answered in order
+        # (all of them, when its connection fails), often several in one read.
+        if self.calls[call.index] is not call or slot is not call.slots[-1]:
             return None  # a superseded call, or the rest of its replies is still to come
         assert call.main is not None
         reply = call.main.reply
