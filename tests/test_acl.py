@@ -46,8 +46,8 @@ from topologies import RedisCluster
 from celery_redlock import Redlock, admin, singleton_task
 from celery_redlock.beat import LeaderScheduler
 from celery_redlock.lock import keyspace
-from celery_redlock.lock.outcomes import Acquired, Covered, Record, Tokens
-from celery_redlock.lock.owner import Owner
+from celery_redlock.lock.outcomes import Acquired, Covered, Record
+from celery_redlock.lock.owner import Owner, Tokens
 from celery_redlock.lock.redlock import from_settings, reservation_of, reserve
 from celery_redlock.settings import RedlockSettings
 from celery_redlock.testing import (

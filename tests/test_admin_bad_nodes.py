@@ -24,8 +24,7 @@ from cli_support import FAST, as_json, invoke, run_celery
 from fake_resp import FakeRedisServer, Reply, always
 
 from celery_redlock import QuorumUnavailable, admin
-from celery_redlock.lock.outcomes import Tokens
-from celery_redlock.lock.owner import Owner, lock_value
+from celery_redlock.lock.owner import Owner, Tokens, lock_value
 from celery_redlock.testing import RedisNodes, RedisServer
 
 TOKENS = Tokens()  # fresh lock tokens, as the package draws them

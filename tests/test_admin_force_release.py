@@ -18,8 +18,7 @@ from redlock_support import values_on
 
 from celery_redlock import Redlock, admin
 from celery_redlock.lock import keyspace, scripts
-from celery_redlock.lock.outcomes import Tokens
-from celery_redlock.lock.owner import Owner, lock_value, run_prefix
+from celery_redlock.lock.owner import Owner, Tokens, lock_value, run_prefix
 from celery_redlock.lock.redlock import release_if_owner
 from celery_redlock.settings import RedlockSettings
 from celery_redlock.testing import RedisNodes

@@ -26,7 +26,8 @@ from celery_redlock.lock import keyspace, scripts
 from celery_redlock.lock.nodes import NO_REPLY, NodeGroup, RoundResult, members_from_urls
 from celery_redlock.lock.nodes import endpoint as endpoint_module
 from celery_redlock.lock.nodes.channel import Channel
-from celery_redlock.lock.outcomes import Acquired, Tokens
+from celery_redlock.lock.outcomes import Acquired
+from celery_redlock.lock.owner import Tokens
 from celery_redlock.lock.redlock import reservation_of, reserve
 from celery_redlock.lock.replies import judge_copy
 from celery_redlock.settings import RedlockSettings

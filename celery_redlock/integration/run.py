@@ -36,6 +36,7 @@ from ..lock.keeper import KeptLock
 from ..lock.outcomes import Acquired, Contended, Held, Lock, Outcome, Record, Unavailable
 from ..lock.owner import Owner, claim_prefix, describe_holder
 from ..lock.redlock import jittered
+from ..lock.scripts import RANK_FORMAT
 from . import events
 from .coalesce import coalesce
 from .deferral import DeferralNotPublished, publish_again
@@ -422,7 +423,7 @@ class Run:
             "task %s[%s] already ran (this message, attempt %s); not running it again",
             task.name,
             self.task_id,
-            self.record.rank_text if self.record else "?",
+            RANK_FORMAT.format(*self.attempt_rank),
         )
         self.report_duplicate("completed", None)
         if self.stores_results():

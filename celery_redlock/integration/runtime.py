@@ -10,7 +10,7 @@ import logging
 from typing import Any
 
 from ..lock.keeper import LockKeeper
-from ..lock.outcomes import Tokens
+from ..lock.owner import Tokens
 from ..lock.redlock import from_settings
 from ..settings import RedlockSettings, even_node_warning, has_password, redact_url
 

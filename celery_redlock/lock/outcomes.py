@@ -4,42 +4,12 @@ beside it, and the typed `Outcome` of one attempt."""
 from __future__ import annotations
 
 import collections
-import os
-import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..errors import QuorumUnavailable
 from .owner import lock_value, owner_text_of
-
-TOKEN_BYTES = 20
-TOKENS_PER_DRAW = 64
-
-
-class Tokens:
-    """Fresh lock tokens: `TOKEN_BYTES` random bytes from `secrets` as hex (never ``|``), drawn
-    `TOKENS_PER_DRAW` at a time, since each ``getrandom`` call gives up the GIL (to another
-    thread, when there are many). A forked child never takes a token its parent drew."""
-
-    def __init__(self) -> None:
-        self._drawn: tuple[int, collections.deque[str]] = (-1, collections.deque())
-
-    def new(self) -> str:
-        """A fresh token (160 random bits: no other call anywhere returns it but by chance)."""
-        here = os.getpid()
-        pid, drawn = self._drawn
-        if pid != here:
-            drawn = collections.deque()
-            self._drawn = (here, drawn)
-        try:
-            return drawn.popleft()  # atomic: threads share the draw without a lock
-        except IndexError:
-            text = secrets.token_hex(TOKEN_BYTES * TOKENS_PER_DRAW)
-            width = 2 * TOKEN_BYTES
-            fresh = [text[start : start + width] for start in range(0, len(text), width)]
-            drawn.extend(fresh[1:])
-            return fresh[0]
 
 
 @dataclass(slots=True)
@@ -79,17 +49,13 @@ class Lock:
 class Record:
     """A record kept beside a lock, checked atomically by every acquisition (one whose rank it
     covers ends `Covered`) and written by the release: field ``field`` of the hash at ``key`` (in
-    the lock's hash slot) holds the highest ``rank`` released, for ``ttl`` seconds."""
+    the lock's hash slot) holds the highest ``rank`` released (sent as `scripts.RANK_FORMAT`), for
+    ``ttl`` seconds."""
 
     key: str
     field: str
     rank: tuple[int, int]
     ttl: float
-
-    @property
-    def rank_text(self) -> str:
-        """The rank as the scripts store it (``"major:minor"``)."""
-        return f"{self.rank[0]}:{self.rank[1]}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,22 +1,52 @@
 """Who holds a lock: the value stored on the lock nodes, built and parsed here and nowhere else.
 
-A stored value is ``token + "|" + owner text``; the token is lowercase hex, so the first ``|``
-ends it. An owner text is compact JSON whose first fields are always ``id``, ``queued``, ``pid``
-and ``host``, in that order: the Lua scripts match a holder by the start of its owner text
-(`claim_prefix`, `run_prefix`), so task ids with any characters match exactly. Owner texts never
-hold argument values or tokens.
+A stored value is ``token + "|" + owner text``; the token is lowercase hex (fresh ones from
+`Tokens`), so the first ``|`` ends it. An owner text is compact JSON whose first fields are
+always ``id``, ``queued``, ``pid`` and ``host``, in that order: the Lua scripts match a holder by
+the start of its owner text (`claim_prefix`, `run_prefix`), so task ids with any characters match
+exactly. Owner texts never hold argument values or tokens.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import os
+import secrets
 import socket
 import time
 from dataclasses import dataclass
 from typing import Any
 
 SEPARATOR = "|"
+
+TOKEN_BYTES = 20
+TOKENS_PER_DRAW = 64
+
+
+class Tokens:
+    """Fresh lock tokens: `TOKEN_BYTES` random bytes from `secrets` as hex (never ``|``), drawn
+    `TOKENS_PER_DRAW` at a time, since each ``getrandom`` call gives up the GIL (to another
+    thread, when there are many). A forked child never takes a token its parent drew."""
+
+    def __init__(self) -> None:
+        self._drawn: tuple[int, collections.deque[str]] = (-1, collections.deque())
+
+    def new(self) -> str:
+        """A fresh token (160 random bits: no other call anywhere returns it but by chance)."""
+        here = os.getpid()
+        pid, drawn = self._drawn
+        if pid != here:
+            drawn = collections.deque()
+            self._drawn = (here, drawn)
+        try:
+            return drawn.popleft()  # atomic: threads share the draw without a lock
+        except IndexError:
+            text = secrets.token_hex(TOKEN_BYTES * TOKENS_PER_DRAW)
+            width = 2 * TOKEN_BYTES
+            fresh = [text[start : start + width] for start in range(0, len(text), width)]
+            drawn.extend(fresh[1:])
+            return fresh[0]
 
 
 def lock_value(token: str, owner_text: str) -> str:

@@ -32,12 +32,11 @@ from .outcomes import (
     Lock,
     Outcome,
     Record,
-    Tokens,
     Unavailable,
     copies_agree,
     majority_holder,
 )
-from .owner import lock_value
+from .owner import Tokens, lock_value
 from .replies import acquire_judge, copies_in, is_integer, judge_copy, judge_one, judge_zero_or_one
 
 if TYPE_CHECKING:
@@ -187,7 +186,7 @@ class Redlock:
         extra: list[str] = []
         if record is not None:
             keys.append(record.key)
-            extra += [record.field, record.rank_text]
+            extra += [record.field, scripts.RANK_FORMAT.format(*record.rank)]
         ttl_ms = max(1, int(ttl * 1000))
         rounds = self._settings.retry_count if acquisition.rounds is None else acquisition.rounds
         outcome: Outcome | None = None
@@ -359,7 +358,8 @@ class Redlock:
             return False
         keys = (lock.key, keyspace.fence_key(lock.key), self._with_legacy(lock.key))
         until = int((time.time() + lock.valid_until - started) * 1000)  # on the wall clock
-        args = (lock.value, max(1, int(ttl * 1000)), lock.fencing_token, until)
+        value = lock_value(lock.token, lock.owner)
+        args = (value, max(1, int(ttl * 1000)), lock.fencing_token, until)
         # Every node's reply is awaited (up to node_timeout): an extension still on its way to
         # a node when the holder releases there could set the key again after the release.
         result = self._group.run(
@@ -387,10 +387,11 @@ class Redlock:
         thread sends it later.
         """
         keys = [lock.key, keyspace.fence_key(lock.key), self._with_legacy(lock.key)]
-        arguments: list[str | int] = [lock.value, max(0, int(hold * 1000))]
+        arguments: list[str | int] = [lock_value(lock.token, lock.owner), max(0, int(hold * 1000))]
         if record is not None:
             keys.append(record.key)
-            arguments += [record.field, record.rank_text, max(1, int(record.ttl * 1000))]
+            rank = scripts.RANK_FORMAT.format(*record.rank)
+            arguments += [record.field, rank, max(1, int(record.ttl * 1000))]
         result = self._group.run(
             scripts.RELEASE,
             keys,

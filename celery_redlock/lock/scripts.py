@@ -47,6 +47,9 @@ local function call(...)
 end
 """
 
+RANK_FORMAT = "{}:{}"
+"""How a record's rank ``(major, minor)`` is sent and stored: ``RANK_FORMAT.format(*rank)``."""
+
 # A record holds a rank "major:minor" (two whole numbers); a stored rank covers every rank it is
 # not below. A missing or malformed record covers nothing.
 _COVERS = """

@@ -14,10 +14,9 @@ import weakref
 from collections.abc import Sequence
 
 from ..scripts import Script
-from .channel import Slot
 from .members import LockNode
 from .reactor import Connections, Waiting
-from .round import Judge, Members, Round, RoundResult, ScriptHeads, patience
+from .round import Judge, Members, Round, RoundResult, ScriptHeads, check_unattended, patience
 from .subscriber import Subscriber
 
 
@@ -87,6 +86,7 @@ class NodeGroup:
         round_ = Round(members, script, keys, arguments, judge, every, grants, owed_until, wait)
         if not wait:
             round_.start()
+            check_unattended(members.connections.reactor)  # a send that failed at once
             return RoundResult([], 0, 0, time.monotonic(), [])
         try:
             round_.start()
@@ -103,7 +103,9 @@ class NodeGroup:
         (`Endpoint.forgive`)."""
         encoded = value.encode()
         for node in self.nodes:
-            endpoint = node.endpoint_for(key)
+            endpoint = node.fixed_endpoint
+            if endpoint is None:
+                endpoint = node.endpoint_for(key)
             if endpoint is not None:
                 endpoint.forgive(encoded)
 
@@ -135,15 +137,22 @@ class ReleaseListener(Waiting):
         # Subscribed only once the servers confirm: a release before that would go unheard.
         waited = patience(group.node_timeout, lateness, len(lateness))
         deadline = time.monotonic() + waited
+        reactor = connections.reactor
         while not all(subscriber.confirmed(channel) for subscriber in self.subscribers):
-            self.satisfied = False
-            if not connections.reactor.wait(self, deadline) and time.monotonic() >= deadline:
+            reactor.wait(self, deadline)
+            check_unattended(reactor)
+            with reactor.lock:
+                self._take_inbox()
+            if time.monotonic() >= deadline:
                 break
 
-    def deliver(self, slot: Slot) -> None:
-        if slot.tag == "message":
+    def _take_inbox(self) -> None:
+        """Take note of the notifications in the inbox (with the reactor's lock held)."""
+        if any(slot.tag == "message" for slot in self.inbox):
             self.notified = True
-        self.satisfy()
+        self.inbox.clear()
+        self.attention = False
+        self.wake_after = 1
 
     def __enter__(self) -> ReleaseListener:
         return self
@@ -153,6 +162,7 @@ class ReleaseListener(Waiting):
 
     def close(self) -> None:
         """Drop the subscriptions."""
+        self.closed = True
         for subscriber in self.subscribers:
             subscriber.stop(self.channel, self)
         self.subscribers.clear()
@@ -167,10 +177,11 @@ class ReleaseListener(Waiting):
         deadline = time.monotonic() + max(seconds, 0)
         while True:
             with reactor.lock:
+                self._take_inbox()
                 if self.notified:
                     self.notified = False
                     return True
-                self.satisfied = False
             if time.monotonic() >= deadline:
                 return False
             reactor.wait(self, deadline)
+            check_unattended(reactor)

@@ -26,10 +26,12 @@ class LockNode:
     """One member of the quorum: it grants or refuses as one, whatever it is made of.
 
     ``wait_replicas`` (Cluster and Sentinel members): a grant counts only once that many replicas
-    acknowledged it (Redis ``WAIT``)."""
+    acknowledged it (Redis ``WAIT``). ``fixed_endpoint``: the one server of a member whose
+    server never changes (a standalone one), which rounds use without asking `endpoint_for`."""
 
     name = ""
     wait_replicas = 0
+    fixed_endpoint: Endpoint | None = None
 
     def endpoint_for(self, key: str) -> Endpoint | None:
         """The server a command on ``key`` goes to now; None while that is not known (the member
@@ -70,7 +72,7 @@ class StandaloneNode(LockNode):
     """One independent Redis (or Valkey) server: ``redis://``, ``rediss://`` or ``unix://``."""
 
     def __init__(self, endpoint: Endpoint) -> None:
-        self.endpoint = endpoint
+        self.endpoint = self.fixed_endpoint = endpoint
         self.name = endpoint.name
 
     def endpoint_for(self, key: str) -> Endpoint:
