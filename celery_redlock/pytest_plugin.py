@@ -2,15 +2,9 @@
 
 Loaded only where a project asks for it (``-p celery_redlock.pytest_plugin`` in ``addopts``, or
 ``pytest_plugins = ["celery_redlock.pytest_plugin"]`` in the root ``conftest.py``). Loading it
-starts nothing: the ``redis-server`` processes (`celery_redlock.testing`, on free ports of
-127.0.0.1) start when a test first asks for a fixture that needs them.
-
-Settings: ``redlock_celery_app`` (your app as ``celery -A`` takes it; unset, a blank app) and
-``redlock_node_count`` (default 3). Fixtures, all named ``redlock_*`` so none clashes with
-Celery's or pytest-celery's: ``redlock_nodes``, ``redlock_broker``, ``redlock_celery_config``,
-``redlock_celery_app``, ``redlock_worker_parameters``, ``redlock_worker`` (Celery's embedded
-worker) and ``redlock_worker_factory`` (real ``celery worker`` subprocesses). docs/testing.md
-describes each, with an example.
+starts nothing: servers (`celery_redlock.testing`) start when a test first needs them. Its
+settings (``redlock_celery_app``, ``redlock_node_count``) and fixtures (all named ``redlock_*``,
+clashing with none of Celery's or pytest-celery's) are described in docs/testing.md.
 """
 
 from __future__ import annotations
@@ -20,7 +14,7 @@ import gc
 import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -38,10 +32,6 @@ DEFAULT_NODE_COUNT = 3
 DEFAULT_APP_NAME = "redlock_tests"
 # Celery prefers these variables to the settings (celery.app.utils.Settings).
 CELERY_URL_VARIABLES = ("CELERY_BROKER_URL", "CELERY_RESULT_BACKEND")
-IN_PROCESS_SETTINGS: dict[str, Any] = {
-    # An embedded worker must leave pytest's logging (caplog, live logs) alone.
-    "worker_hijack_root_logger": False,
-}
 EMBEDDED_WORKER_DEFAULTS: dict[str, Any] = {
     "pool": "threads",
     "concurrency": 4,
@@ -50,28 +40,23 @@ EMBEDDED_WORKER_DEFAULTS: dict[str, Any] = {
     "shutdown_timeout": 10.0,
 }
 
-_ABSENT = object()
-_ServersT = TypeVar("_ServersT", "RedisNodes", "RedisServer")
-
 
 class WorkerFactory:
     """What ``redlock_worker_factory`` gives a test: each call starts one worker subprocess
     (`celery_redlock.testing.CeleryWorker`) with the harness settings; :meth:`kill_all` kills
-    every worker it started, pool children included.
-    """
+    every worker it started, pool children included."""
 
     def __init__(
         self,
         config: pytest.Config,
         app: Celery,
         settings: Mapping[str, Any],
-        temporary_paths: pytest.TempPathFactory,
+        log_directory: Path,
     ) -> None:
         self._config = config
         self._app = app
         self._settings = settings
-        self._temporary_paths = temporary_paths
-        self._log_directory: Path | None = None
+        self._log_directory = log_directory
         self._started: list[CeleryWorker] = []
 
     def __call__(
@@ -88,14 +73,9 @@ class WorkerFactory:
         timeout: float = 60.0,
     ) -> CeleryWorker:
         """Start ``celery -A <app> worker -n <name>@<host>`` (``app``: by default the
-        ``redlock_celery_app`` setting) with the harness settings; return it once it answers
-        ``ping``, or at once with ``wait=False``.
-
-        Raises:
-            pytest.UsageError: no ``app`` and no ``redlock_celery_app`` setting.
-            celery_redlock.testing.WorkerNotReadyError: no ``ping`` answer within ``timeout``.
-            celery_redlock.testing.ProcessExitedError: the worker exited meanwhile.
-        """
+        ``redlock_celery_app`` setting, else `pytest.UsageError`) with the harness settings;
+        return it once it answers ``ping`` (or raise as `CeleryWorker.wait_ready` does), or at
+        once with ``wait=False``."""
         from celery_redlock.testing import CeleryWorker
 
         target = app or str(self._config.getini(APP_OPTION)).strip()
@@ -104,8 +84,6 @@ class WorkerFactory:
                 f"redlock_worker_factory needs the app the worker loads: set {APP_OPTION} "
                 "(for example `redlock_celery_app = proj.celery:app` in pytest.ini) or pass app="
             )
-        if self._log_directory is None:
-            self._log_directory = self._temporary_paths.mktemp("redlock-workers")
         worker = CeleryWorker(
             target,
             name,
@@ -149,22 +127,18 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def _redlock_session_nodes(pytestconfig: pytest.Config) -> Iterator[RedisNodes]:
     from celery_redlock.testing import RedisNodes
 
-    yield from _until_session_end(RedisNodes(_node_count(pytestconfig)).start())
+    with RedisNodes(_node_count(pytestconfig)) as nodes:
+        yield nodes
+        gc.collect()  # results left behind unsubscribe now, while their servers still answer
 
 
 @pytest.fixture(scope="session")
 def _redlock_session_broker() -> Iterator[RedisServer]:
     from celery_redlock.testing import RedisServer
 
-    yield from _until_session_end(RedisServer().start())
-
-
-def _until_session_end(servers: _ServersT) -> Iterator[_ServersT]:
-    try:
-        yield servers
-    finally:
-        gc.collect()  # results left behind unsubscribe now, while their servers still answer
-        servers.close()  # stopped gracefully
+    with RedisServer() as broker:
+        yield broker
+        gc.collect()  # as for the nodes
 
 
 @pytest.fixture
@@ -195,16 +169,12 @@ def _prepare_servers(servers: Iterable[RedisServer]) -> None:
 
 def _node_count(config: pytest.Config) -> int:
     value = str(config.getini(NODE_COUNT_OPTION)).strip()
-    try:
-        count = int(value)
-    except ValueError:
-        count = 0
-    if count < 1:
+    if not value.isdecimal() or int(value) < 1:
         raise pytest.UsageError(
             f"{NODE_COUNT_OPTION} must be a whole number of at least 1 (3 or 5 are usual), "
             f"got {value!r}"
         )
-    return count
+    return int(value)
 
 
 @pytest.fixture
@@ -248,11 +218,15 @@ def redlock_celery_app(
 
     path = str(request.config.getini(APP_OPTION)).strip()
     app = _load_app(path) if path else request.getfixturevalue("_redlock_default_app")
-    settings = {**IN_PROCESS_SETTINGS, **redlock_celery_config}
+    # An embedded worker must leave pytest's logging (caplog, live logs) alone.
+    settings = {"worker_hijack_root_logger": False, **redlock_celery_config}
     with pytest.MonkeyPatch.context() as monkeypatch, setup_default_app(app):
         for variable in CELERY_URL_VARIABLES:
             monkeypatch.delenv(variable, raising=False)
-        with _settings_applied(app, settings), _kept_runtime(app, _redlock_kept_runtimes):
+        for key, value in settings.items():
+            monkeypatch.setitem(app.conf, key, value)  # the app's own value is put back after
+        app.conf.update(settings)  # again, for Celery's observers of its settings (task_routes)
+        with _kept_runtime(app, _redlock_kept_runtimes):
             app.set_current()
             yield app
 
@@ -267,21 +241,6 @@ def _load_app(path: str) -> Celery:
             f"{APP_OPTION} = {path!r} cannot be loaded the way `celery -A` loads it: {error!r}"
         ) from error
     return app
-
-
-@contextlib.contextmanager
-def _settings_applied(app: Celery, settings: Mapping[str, Any]) -> Iterator[None]:
-    saved = {key: app.conf.get(key, _ABSENT) for key in settings}
-    app.conf.update(settings)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is _ABSENT:
-                with contextlib.suppress(KeyError):
-                    del app.conf[key]
-            else:
-                app.conf[key] = value
 
 
 @contextlib.contextmanager
@@ -330,9 +289,8 @@ def redlock_worker_factory(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[WorkerFactory]:
     """Starts real ``celery worker`` subprocesses; kills them all when the test ends."""
-    factory = WorkerFactory(
-        request.config, redlock_celery_app, redlock_celery_config, tmp_path_factory
-    )
+    logs = tmp_path_factory.mktemp("redlock-workers")
+    factory = WorkerFactory(request.config, redlock_celery_app, redlock_celery_config, logs)
     try:
         yield factory
     finally:
@@ -341,8 +299,6 @@ def redlock_worker_factory(
 
 def _configured_python_path(config: pytest.Config) -> list[Path]:
     """pytest's ``pythonpath`` setting, so workers import what the tests import."""
-    try:
-        entries = config.getini("pythonpath")
-    except ValueError:  # a pytest without the setting
-        return []
-    return [Path(entry) for entry in entries or ()]
+    with contextlib.suppress(ValueError):  # a pytest without the setting (before 7.0)
+        return [Path(entry) for entry in config.getini("pythonpath") or ()]
+    return []

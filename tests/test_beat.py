@@ -33,7 +33,7 @@ BEAT_DISTANCE = 0.6
 
 
 def _logs(*processes: WorkerProcess | BeatProcess) -> str:
-    return "\n".join(f"--- {' '.join(p.arguments[:1])} ---\n{p.log_tail()}" for p in processes)
+    return "\n".join(f"--- {p.label} ---\n{p.log_tail()}" for p in processes)
 
 
 def test_periodic_task_outlasting_its_interval_never_overlaps(

@@ -238,7 +238,7 @@ def test_one_beat_sends_and_another_continues_after_a_kill_with_the_database_rig
         wait_for_sends(broker, 3, [survivor], after=killed_at)
         # Graceful stop: the beat writes what it sent and releases the lease.
         survivor.send_signal(signal.SIGTERM)
-        assert survivor.wait_for_exit(15), logs(survivor)
+        assert wait_until(lambda: not survivor.is_running, timeout=15), logs(survivor)
         assert "released lease" in survivor.log_text(), logs(survivor)
 
     records = sent(broker)

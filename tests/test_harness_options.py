@@ -1,6 +1,6 @@
 """The process options declared once (celery_redlock.testing.processes.ProcessOptions) reach the
 process through every kind of managed process, and every ``with`` block of the harness ends with
-its resource's ``close()`` (celery_redlock.testing.resources.ClosingResource)."""
+its resource's ``close()`` (celery_redlock.testing.processes.ClosingResource)."""
 
 from __future__ import annotations
 

@@ -14,8 +14,7 @@ from celery_apps.subprocesses import BROKER_VARIABLE, CeleryProcess, celery_proc
 from conftest import MakeRedisNodes
 from redlock_support import wait_until
 
-from celery_redlock.testing import RedisServer
-from celery_redlock.testing.ports import free_port
+from celery_redlock.testing import RedisServer, free_port
 
 SECRET = "start-report-s3cret"
 READY = re.compile(r"\bready\.")

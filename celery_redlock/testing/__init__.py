@@ -1,10 +1,8 @@
 """Real Redis servers and Celery processes for tests of singleton tasks, and for scripts.
 
 Every one is a `ManagedProcess` on 127.0.0.1 (free ports), stopped when no longer needed and
-killed at interpreter exit otherwise: `RedisServer`, `ValkeyServer`, `RedisNodes` (Redlock's
-independent masters, a `ServerGroup`), `CeleryWorker`, `CeleryBeat`, `CeleryProcess`. The pytest
-plugin (`celery_redlock.pytest_plugin`) gives them to tests as fixtures; docs/testing.md has
-the guide. Example::
+killed at interpreter exit otherwise. The pytest plugin (`celery_redlock.pytest_plugin`) gives
+them to tests as fixtures; docs/testing.md has the guide. Example::
 
     with RedisNodes(3) as nodes:
         app.conf.redlock_urls = nodes.urls
@@ -13,12 +11,6 @@ the guide. Example::
 
 from __future__ import annotations
 
-from .binaries import (
-    REDIS_SERVER_ENVIRONMENT_VARIABLE,
-    VALKEY_SERVER_ENVIRONMENT_VARIABLE,
-    find_redis_server,
-    find_valkey_server,
-)
 from .celery_subprocesses import (
     CeleryBeat,
     CeleryProcess,
@@ -27,10 +19,18 @@ from .celery_subprocesses import (
     celery_processes,
     wait_for_workers,
 )
-from .groups import RedisNodes, ServerGroup
-from .ports import free_port
 from .processes import ManagedProcess, ProcessExitedError, stop_processes
-from .redis_servers import RedisServer, ValkeyServer
+from .redis_servers import (
+    REDIS_SERVER_ENVIRONMENT_VARIABLE,
+    VALKEY_SERVER_ENVIRONMENT_VARIABLE,
+    RedisNodes,
+    RedisServer,
+    ServerGroup,
+    ValkeyServer,
+    find_redis_server,
+    find_valkey_server,
+    free_port,
+)
 
 __all__ = [
     "REDIS_SERVER_ENVIRONMENT_VARIABLE",

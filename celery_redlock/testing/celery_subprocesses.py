@@ -63,10 +63,8 @@ class CeleryProcess(ManagedProcess):
     ``settings`` (for ``worker`` and ``beat``) are applied over the app's own: lower-case names
     such as ``"redlock_urls"``, JSON values, passed on the command line after ``--``;
     ``broker_url`` and ``result_backend`` also become ``CELERY_BROKER_URL`` and
-    ``CELERY_RESULT_BACKEND``.
-
-    Raises:
-        ValueError, TypeError: a setting cannot be passed this way (the message says why).
+    ``CELERY_RESULT_BACKEND``. A setting that cannot be passed this way raises `ValueError` or
+    `TypeError`, saying why.
     """
 
     def __init__(
@@ -77,11 +75,8 @@ class CeleryProcess(ManagedProcess):
         settings: Mapping[str, Any] | None = None,
         **options: Unpack[ProcessOptions],
     ) -> None:
-        if isinstance(arguments, str):
-            raise TypeError("arguments must be a sequence of arguments, not one string")
-        self._app = app
-        self._arguments = tuple(arguments)
-        command = [sys.executable, "-m", "celery", "-A", app, *self._arguments]
+        arguments = _sequence(arguments, "arguments")
+        command = [sys.executable, "-m", "celery", "-A", app, *arguments]
         variables = dict(options.get("environment") or {})
         if settings:
             command += ["--", *_command_line_settings(settings)]
@@ -90,18 +85,8 @@ class CeleryProcess(ManagedProcess):
                 if isinstance(value, str):
                     variables[variable] = value
         options["environment"] = variables
-        options["label"] = options.get("label") or next(iter(self._arguments), "celery")
+        options["label"] = options.get("label") or next(iter(arguments), "celery")
         super().__init__(command, **options)
-
-    @property
-    def app(self) -> str:
-        """The app as given to ``celery -A``."""
-        return self._app
-
-    @property
-    def arguments(self) -> tuple[str, ...]:
-        """The sub-command and its options (without the settings)."""
-        return self._arguments
 
 
 class CeleryWorker(CeleryProcess):
@@ -124,8 +109,6 @@ class CeleryWorker(CeleryProcess):
         settings: Mapping[str, Any] | None = None,
         **options: Unpack[ProcessOptions],
     ) -> None:
-        if isinstance(queues, str) or isinstance(arguments, str):
-            raise TypeError("queues and arguments must be sequences, not one string")
         self._hostname = name if "@" in name else f"{name}@{socket.gethostname()}"
         worker_arguments = [
             *("worker", "-P", pool, "-c", str(concurrency), "-n", self._hostname),
@@ -133,8 +116,9 @@ class CeleryWorker(CeleryProcess):
             "--without-gossip",
         ]
         if queues:
-            worker_arguments += ["-Q", ",".join(queues)]
+            worker_arguments += ["-Q", ",".join(_sequence(queues, "queues"))]
         options["label"] = options.get("label") or self._hostname
+        arguments = _sequence(arguments, "arguments")
         super().__init__(app, [*worker_arguments, *arguments], settings=settings, **options)
 
     @property
@@ -143,12 +127,8 @@ class CeleryWorker(CeleryProcess):
         return self._hostname
 
     def wait_ready(self, app: Celery, timeout: float = 60.0) -> None:
-        """Return once the worker answers ``app.control.ping`` (any ``app`` on its broker).
-
-        Raises:
-            ProcessExitedError: the worker exited meanwhile.
-            WorkerNotReadyError: no answer within ``timeout`` seconds.
-        """
+        """Return once the worker answers ``app.control.ping`` (any ``app`` on its broker), as
+        `wait_for_workers` does."""
         wait_for_workers(app, [self], timeout)
 
     def child_pids(self) -> set[int]:
@@ -183,25 +163,16 @@ class CeleryBeat(CeleryProcess):
         settings: Mapping[str, Any] | None = None,
         **options: Unpack[ProcessOptions],
     ) -> None:
-        if isinstance(arguments, str):
-            raise TypeError("arguments must be a sequence of arguments, not one string")
-        super().__init__(
-            app,
-            ["beat", "-s", os.fspath(schedule_file), "--loglevel", loglevel, *arguments],
-            settings=settings,
-            **options,
-        )
+        beat_arguments = ["beat", "-s", os.fspath(schedule_file), "--loglevel", loglevel]
+        arguments = _sequence(arguments, "arguments")
+        super().__init__(app, [*beat_arguments, *arguments], settings=settings, **options)
 
 
 def wait_for_workers(app: Celery, workers: Iterable[CeleryWorker], timeout: float = 60.0) -> None:
     """Return once every one of ``workers`` answers ``app.control.ping`` (any ``app`` on their
-    broker), pinging the silent ones without pause.
-
-    Raises:
-        ProcessExitedError: a worker exited meanwhile.
-        WorkerNotReadyError: some did not answer within ``timeout`` seconds; the message has the
-            end of their logs.
-    """
+    broker), pinging the silent ones without pause. Raises `ProcessExitedError` if a worker
+    exits meanwhile, `WorkerNotReadyError` (with the end of their logs) if some did not answer
+    within ``timeout`` seconds."""
     silent = {worker.hostname: worker for worker in workers}
     deadline = time.monotonic() + timeout
     while silent:
@@ -230,12 +201,15 @@ def celery_processes(*, remove_logs: bool = True) -> Iterator[list[ManagedProces
     processes: list[ManagedProcess] = []
     try:
         yield processes
-    except BaseException:
-        remove_logs = False  # a failure's logs stay for reading
-        raise
     finally:
         for process in reversed(processes):
             process.kill()
-        if remove_logs:
-            for process in processes:
-                process.remove_log()
+    if remove_logs:  # not reached when the block raised
+        for process in processes:
+            process.remove_log()
+
+
+def _sequence(value: Sequence[str], name: str) -> tuple[str, ...]:
+    if isinstance(value, str):
+        raise TypeError(f"{name} must be a sequence, not one string")
+    return tuple(value)

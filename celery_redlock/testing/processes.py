@@ -1,5 +1,6 @@
 """`ManagedProcess`, the harness's one process manager (its Redis servers and Celery processes
-are kinds of it), and `stop_processes`."""
+are kinds of it), `stop_processes`, and `ClosingResource`: a ``with`` block over any of the
+harness's processes and server groups calls its ``close()`` on leaving."""
 
 from __future__ import annotations
 
@@ -9,23 +10,35 @@ import os
 import signal
 import subprocess
 import tempfile
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, TypedDict, TypeVar
-
-from .exits import exit_status, wait_for_exits
-from .resources import ClosingResource
 
 if TYPE_CHECKING:
     from typing import Unpack
 
 
-LOG_TAIL_LINES = 60
-"""How many lines of a log `ManagedProcess.log_tail` returns by default."""
-
+_ResourceT = TypeVar("_ResourceT", bound="ClosingResource")
 _ProcessT = TypeVar("_ProcessT", bound="ManagedProcess")
 
 _REAP_TIMEOUT = 10.0  # seconds to wait for a SIGKILLed process to be reaped
+_EXIT_POLL_INTERVAL = 0.01  # how often stop_processes looks for exits (and asks `hurry`)
+
+
+class ClosingResource:
+    """Something a ``with`` block closes on leaving, whatever happened in the block; entering
+    returns it (kinds that start something override ``__enter__`` to start it first)."""
+
+    def close(self) -> None:
+        """Give back what the resource holds (each kind says how); repeating is harmless."""
+        raise NotImplementedError(f"{type(self).__name__} does not say how it closes")
+
+    def __enter__(self: _ResourceT) -> _ResourceT:
+        return self
+
+    def __exit__(self, *exception: object) -> None:
+        self.close()
 
 
 class ProcessExitedError(RuntimeError):
@@ -120,7 +133,7 @@ class ManagedProcess(ClosingResource):
     def returncode(self) -> int | None:
         """The exit status (negative: killed by that signal), read without reaping; ``None``
         while it runs or before it starts."""
-        return None if self._process is None else exit_status(self._process)
+        return None if self._process is None else _exit_status(self._process)
 
     @property
     def is_running(self) -> bool:
@@ -186,11 +199,7 @@ class ManagedProcess(ClosingResource):
         return self
 
     def check_alive(self) -> None:
-        """Return if the process runs.
-
-        Raises:
-            ProcessExitedError: the main process has exited.
-        """
+        """Raise `ProcessExitedError` (with the end of the output) if the main process exited."""
         process = self._started()
         returncode = self.returncode
         if returncode is not None:
@@ -199,14 +208,14 @@ class ManagedProcess(ClosingResource):
                 f"its output ({self._log_path}):\n{self.log_tail() or '(log is empty)'}"
             )
 
-    def send_signal(self, signum: int, *, group: bool = True) -> None:
-        """Send ``signum`` to the process group (with a group of its own; with ``group=False``
-        to the main process only); nothing once the main process has exited."""
+    def send_signal(self, signum: int) -> None:
+        """Send ``signum`` to the process group (with a group of its own; else to the main
+        process); nothing once the main process has exited."""
         process = self._started()
         if self.returncode is not None:
             return
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            if group and self._own_process_group:
+            if self._own_process_group:
                 os.killpg(process.pid, signum)
             else:
                 process.send_signal(signum)
@@ -214,39 +223,29 @@ class ManagedProcess(ClosingResource):
     def pause(self) -> None:
         """Freeze the process and its group (SIGSTOP), like a hung machine; `RuntimeError` if it
         does not run."""
-        self._running()
+        self._check_running()
         self.send_signal(signal.SIGSTOP)
         self._paused = True
 
     def resume(self) -> None:
         """Unfreeze a process frozen by :meth:`pause` (SIGCONT); `RuntimeError` if it does not
         run."""
-        self._running()
+        self._check_running()
         self.send_signal(signal.SIGCONT)
         self._paused = False
 
-    def terminate(self, *, group: bool = True) -> None:
-        """Send SIGTERM (to the group, or with ``group=False`` the main process), resuming a
-        paused process so that it acts on it; does not wait."""
-        self.send_signal(signal.SIGTERM, group=group)
+    def terminate(self) -> None:
+        """Send SIGTERM, resuming a paused process so that it acts on it; does not wait."""
+        self.send_signal(signal.SIGTERM)
         # A stopped process acts on SIGTERM only once continued; SIGCONT to a running one is
         # ignored, so it is sent whether or not pause() froze it (a test may SIGSTOP directly).
-        self.send_signal(signal.SIGCONT, group=group)
+        self.send_signal(signal.SIGCONT)
         self._paused = False
 
-    def wait_for_exit(self, timeout: float | None = None) -> bool:
-        """Wait at most ``timeout`` seconds (``None``: for ever) until the main process exits,
-        without reaping it; return whether it has (False if never started)."""
-        return self._process is not None and wait_for_exits([self._process], timeout)
-
     def wait(self, timeout: float | None = None) -> int:
-        """Wait until the main process exits, reap it and return its exit status.
-
-        Raises:
-            subprocess.TimeoutExpired: it still runs after ``timeout`` seconds.
-        """
-        process = self._started()
-        status = process.wait(timeout)
+        """Wait until the main process exits, reap it and return its exit status;
+        `subprocess.TimeoutExpired` if it still runs after ``timeout`` seconds."""
+        status = self._started().wait(timeout)
         self._reaped()
         return status
 
@@ -282,7 +281,7 @@ class ManagedProcess(ClosingResource):
         except OSError:
             return ""
 
-    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+    def log_tail(self, lines: int = 60) -> str:
         """The last ``lines`` lines of the output (empty when there is none)."""
         return "\n".join(self.log_text().splitlines()[-lines:])
 
@@ -302,26 +301,21 @@ class ManagedProcess(ClosingResource):
 
     def __repr__(self) -> str:
         if self._process is None:
-            state = "not started"
-        else:
-            returncode = self.returncode
-            if returncode is not None:
-                state = f"exited {returncode}"
-            else:
-                state = "paused" if self._paused else "running"
-            state = f"pid {self._process.pid} {state}"
-        return f"<{type(self).__name__} {self._label} {state}>"
+            return f"<{type(self).__name__} {self._label} not started>"
+        returncode = self.returncode
+        state = "paused" if self._paused else "running"
+        if returncode is not None:
+            state = f"exited {returncode}"
+        return f"<{type(self).__name__} {self._label} pid {self._process.pid} {state}>"
 
     def _started(self) -> subprocess.Popen[bytes]:
         if self._process is None:
             raise RuntimeError(f"{self._label} was never started")
         return self._process
 
-    def _running(self) -> subprocess.Popen[bytes]:
-        process = self._started()
-        if self.returncode is not None:
+    def _check_running(self) -> None:
+        if not self.is_running:
             raise RuntimeError(f"{self._label} is not running")
-        return process
 
     def _reap(self, process: subprocess.Popen[bytes]) -> None:
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -350,11 +344,26 @@ def _checked_command(command: Sequence[str]) -> tuple[str, ...]:
     return tuple(str(argument) for argument in command)
 
 
+def _exit_status(process: subprocess.Popen[bytes]) -> int | None:
+    """The exit status of ``process`` (negative: killed by that signal), read without reaping
+    it; ``None`` while it runs."""
+    if process.returncode is not None:
+        return process.returncode
+    if not hasattr(os, "waitid"):  # macOS: no waitid, so poll (which reaps)
+        return process.poll()
+    try:
+        result = os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:  # reaped behind our back (os.wait): Popen knows no status
+        return process.poll()
+    if result is None:
+        return None
+    return result.si_status if result.si_code == os.CLD_EXITED else -result.si_status
+
+
 def stop_processes(
     processes: Iterable[ManagedProcess],
     timeout: float = 10.0,
     *,
-    group: bool = True,
     hurry: Callable[[], bool] | None = None,
 ) -> None:
     """Stop several processes at once: SIGTERM to each (see `ManagedProcess.terminate`), wait
@@ -363,7 +372,12 @@ def stop_processes(
     chosen = [process for process in processes if process.process is not None]
     for process in chosen:
         if process.is_running:
-            process.terminate(group=group)
-    wait_for_exits([process._started() for process in chosen], timeout, hurry)
+            process.terminate()
+    # Waiting reaps nothing (`is_running`), so the pids stay reserved for the SIGKILLs below.
+    deadline = time.monotonic() + timeout
+    while any(process.is_running for process in chosen) and time.monotonic() < deadline:
+        if hurry is not None and hurry():
+            break
+        time.sleep(_EXIT_POLL_INTERVAL)
     for process in chosen:
         process.kill()

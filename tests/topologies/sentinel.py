@@ -22,10 +22,10 @@ from urllib.parse import quote
 
 import redis
 
-from celery_redlock.testing import RedisServer, ServerGroup
-from celery_redlock.testing.ports import HOST
+from celery_redlock.testing import RedisServer
+from celery_redlock.testing.redis_servers import HOST
 
-from .servers import TopologyServer
+from .servers import TopologyGroup, TopologyServer
 from .waiting import wait_for_condition
 
 __all__ = ["SentinelGroup", "SentinelServer"]
@@ -98,7 +98,7 @@ class SentinelServer(RedisServer):
         return f"{host.decode() if isinstance(host, bytes) else host}:{int(port)}"
 
 
-class SentinelGroup(ServerGroup):
+class SentinelGroup(TopologyGroup):
     """One master, ``replicas`` replicas and ``sentinels`` sentinels on free ports of
     127.0.0.1, the master known to the sentinels as ``service_name``.
 

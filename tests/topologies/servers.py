@@ -1,5 +1,6 @@
 """`TopologyServer`: a `RedisServer` that can also serve TLS only, run as a Redis Cluster node or
-start as a replica, the kinds of node the topology, TLS and replication tests need."""
+start as a replica, the kinds of node the topology, TLS and replication tests need; and
+`TopologyGroup`, a `ServerGroup` that runs more processes than its servers and settles."""
 
 from __future__ import annotations
 
@@ -7,20 +8,22 @@ import contextlib
 import socket
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from celery_redlock.testing import RedisServer
-from celery_redlock.testing.ports import HOST
+from celery_redlock.testing import RedisServer, ServerGroup, stop_processes
+from celery_redlock.testing.redis_servers import HOST
 
 from .tls import TLSCertificates
 
-__all__ = ["CLUSTER_BUS_PORT_OFFSET", "TopologyServer", "free_port"]
+__all__ = ["CLUSTER_BUS_PORT_OFFSET", "TopologyGroup", "TopologyServer", "free_port"]
 
 CLUSTER_BUS_PORT_OFFSET = 10000
 """A cluster node listens for the other nodes on its port plus this."""
 
 _HIGHEST_PORT = 65535
 _ATTEMPTS = 50
+
+_GroupT = TypeVar("_GroupT", bound="TopologyGroup")
 
 
 def free_port(*, also_free_at_offset: int | None = None) -> int:
@@ -156,3 +159,36 @@ class TopologyServer(RedisServer):
             if isinstance(master, TopologyServer) and master.tls is not None:
                 arguments += ["--tls-replication", "yes"]
         return [*arguments, *self._last_arguments]
+
+
+class TopologyGroup(ServerGroup):
+    """A `ServerGroup` whose :meth:`start` starts every one of its :attr:`processes` (its
+    servers, and for some kinds more: sentinels), then :meth:`settle`; :meth:`stop_all` stops
+    them all."""
+
+    @property
+    def processes(self) -> tuple[RedisServer, ...]:
+        """Every process of the group, in start order (kinds of group add sentinels, say)."""
+        return self.servers
+
+    def start(self: _GroupT) -> _GroupT:
+        """Start every process not running, then :meth:`settle`; return ``self``. On failure
+        every process is stopped before the error propagates."""
+        try:
+            for process in self.processes:
+                if not process.is_running:
+                    process.start()
+            self.settle()
+        except BaseException:
+            with contextlib.suppress(BaseException):
+                self.stop_all()
+            raise
+        return self
+
+    def settle(self) -> None:
+        """What :meth:`start` does once every process runs (a cluster joins its nodes)."""
+
+    def stop_all(self, timeout: float = 10.0) -> None:
+        """Stop every process, paused ones included (`stop_processes`: SIGTERM, then SIGKILL
+        for what is left after ``timeout`` seconds in all)."""
+        stop_processes(self.processes, timeout)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from celery_redlock.testing import RedisServer
-from celery_redlock.testing.ports import HOST
+from celery_redlock.testing.redis_servers import HOST
 
 __all__ = ["ClusterControl", "SlotMigration"]
 

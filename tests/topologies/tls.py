@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
 
-from celery_redlock.testing.resources import ClosingResource
+from celery_redlock.testing.processes import ClosingResource
 
 __all__ = ["TLSCertificates"]
 
