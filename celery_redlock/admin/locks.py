@@ -105,16 +105,14 @@ def resolve_key(app: Any, key_or_resource: str) -> tuple[str, str]:
 
 
 def what_key(prefix: str, key: str) -> str:
-    example = keyspace.lock_key(prefix, "<resource>")
-    if not key.startswith(prefix + "{"):
-        return f"lock keys look like {example}"
-    if key.endswith(keyspace.FENCE_SUFFIX):
-        return "it is a fencing counter (it must outlive every lock it fenced)"
-    if key.endswith(keyspace.SCHEDULE_SUFFIX):
-        return "it holds the beat leader's schedule records"
-    if keyspace.RECORDS_INFIX in key:
-        return "it holds completion records"
-    return f"lock keys look like {example}"
+    if key.startswith(prefix + "{"):
+        if key.endswith(keyspace.FENCE_SUFFIX):
+            return "it is a fencing counter (it must outlive every lock it fenced)"
+        if key.endswith(keyspace.SCHEDULE_SUFFIX):
+            return "it holds the beat leader's schedule records"
+        if keyspace.RECORDS_INFIX in key:
+            return "it holds completion records"
+    return f"lock keys look like {keyspace.lock_key(prefix, '<resource>')}"
 
 
 def lock_listing(
@@ -182,8 +180,8 @@ def force_release(app: Any, key: str, *, timeout: float = DEFAULT_TIMEOUT) -> Re
     For stuck locks: a running holder is not stopped, and waiters are woken. ``key`` must be a
     lock key (else `NotALock`, nothing sent), and each node deletes it only when it holds a lock
     value (checked atomically; else in ``refused``); nothing when no reachable node has a lock
-    under it. A copy on a node that does not answer stays
-    until its ttl; ``still_present_on`` names nodes that answered but still have it.
+    under it. A copy on a node that does not answer stays until its ttl; ``still_present_on``
+    names nodes that answered but still have it.
     """
     full_key, resource = resolve_key(app, key)
     with LockReader(app, timeout) as reader:
@@ -196,14 +194,11 @@ def force_release(app: Any, key: str, *, timeout: float = DEFAULT_TIMEOUT) -> Re
             # Only nodes that answered the read: the others' copies expire by their ttl.
             failed = {error.node for error in before.unreachable}
             answering = [node for node in reader.nodes if node.name not in failed]
-            group = NodeGroup(answering, timeout)
-            try:
-                keys = keys_of_lock(app, full_key)
+            keys = keys_of_lock(app, full_key)
+            with contextlib.closing(NodeGroup(answering, timeout)) as group:
                 result = group.run(
                     scripts.FORCE_RELEASE, keys, (), judge_forced_release, every=True
                 )
-            finally:
-                group.close()
             for node, reply, why in zip(answering, result.replies, result.failures, strict=True):
                 if why is not None:
                     # The operators' words for a reply the script cannot give.
@@ -223,17 +218,15 @@ def force_release(app: Any, key: str, *, timeout: float = DEFAULT_TIMEOUT) -> Re
             copies = after.found[0].copies if after.found else ()
             still = {copy.node for copy in copies if had.get(copy.node) == copy.value}
     names = [node.name for node in reader.nodes]
-    first_errors: dict[str, NodeError] = {}
-    for error in errors:
-        first_errors.setdefault(error.node, error)
     return ReleaseResult(
         key=full_key,
         resource=resource,
         lock=before.found[0].record if before.found else None,
-        deleted_on=tuple(name for name in names if name in deleted),
+        deleted_on=tuple(deleted),
         still_present_on=tuple(names[index] for index in sorted(still)),
         nodes_total=len(names),
         quorum=reader.quorum,
-        unreachable=tuple(first_errors.values()),
+        # Each node once: the release ran only on the nodes that answered the read.
+        unreachable=tuple(errors),
         refused=tuple(Refusal(name, refusals[name]) for name in names if name in refusals),
     )

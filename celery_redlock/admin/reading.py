@@ -175,12 +175,9 @@ class LockReader:
         self.redlock.close()
 
     def ask(
-        self,
-        question: Callable[[NodeReads], Answer],
-        nodes: Sequence[LockNode] | None = None,
-        timeout: float | None = None,
+        self, question: Callable[[NodeReads], Answer], timeout: float | None = None
     ) -> list[NodeAnswer[Answer]]:
-        """One `NodeAnswer` per node (or of ``nodes``), in order, all asked at once."""
+        """One `NodeAnswer` per node, in order, all asked at once."""
 
         def ask(node: LockNode) -> NodeAnswer[Answer]:
             reads = NodeReads(node, timeout or self.timeout)
@@ -191,11 +188,8 @@ class LockReader:
             finally:
                 reads.close()
 
-        nodes = self.nodes if nodes is None else nodes
-        if not nodes:
-            return []
-        with ThreadPoolExecutor(len(nodes), thread_name_prefix="redlock-admin") as pool:
-            return list(pool.map(ask, nodes))
+        with ThreadPoolExecutor(len(self.nodes), thread_name_prefix="redlock-admin") as pool:
+            return list(pool.map(ask, self.nodes))
 
     def read(self, keys: Sequence[str] | None) -> LockRead:
         """``keys`` (None: every lock key under the prefix) as found across the nodes."""
@@ -216,7 +210,12 @@ class LockReader:
             for key, reason in others.items():
                 not_locks.setdefault(key, {})[answer.node] = reason
         found = [self.found_lock(key, copies) for key, copies in sorted(by_key.items())]
-        return LockRead(found, unreachable_nodes(answers), not_locks)
+        unreachable = tuple(
+            NodeError(answer.node, answer.error or "no answer")
+            for answer in answers
+            if answer.value is None
+        )
+        return LockRead(found, unreachable, not_locks)
 
     def scan(self, reads: NodeReads) -> list[str]:
         """Every lock key under the prefix on one node (SCAN on each of its servers)."""
@@ -274,14 +273,6 @@ class LockReader:
         return FoundLock(record, value, tuple(copies))
 
 
-def unreachable_nodes(answers: Sequence[NodeAnswer[Any]]) -> tuple[NodeError, ...]:
-    return tuple(
-        NodeError(answer.node, answer.error or "no answer")
-        for answer in answers
-        if answer.value is None
-    )
-
-
 def read_keys(reads: NodeReads, keys: Sequence[str]) -> NodeRead:
     """GET and PTTL of ``keys`` on one node, pipelined per server; absent keys left out, and a
     key whose slot moved read again through a round of the read script, which follows it."""
@@ -318,18 +309,15 @@ def read_in_rounds(reads: NodeReads, keys: Sequence[str]) -> list[Any]:
     """The read script's (value, pttl) of each of ``keys``, in rounds that follow moved slots."""
     if not keys:
         return []
-    group = NodeGroup([reads.member], reads.timeout)
-    try:
-        replies = []
+    replies = []
+    with contextlib.closing(NodeGroup([reads.member], reads.timeout)) as group:
         for key in keys:
             result = group.run(scripts.READ, (key,), (), judge_copy)
             reply = result.replies[0]
             if not is_copy(reply):
                 raise ConnectionError(result.failures[0] or "no reply to the read script")
             replies.append(reply)
-        return replies
-    finally:
-        group.close()
+    return replies
 
 
 def file_copy(read: NodeRead, key: str, value: Any, milliseconds: Any) -> None:

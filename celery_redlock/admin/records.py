@@ -87,12 +87,6 @@ class NodeStatus:
     connected_replicas: int | None = None
     servers: tuple[NodeStatus, ...] = ()
 
-    @property
-    def server_text(self) -> str:
-        """The server and its version as shown: ``redis 7.0.15``, ``valkey 9.1.2``."""
-        version = self.redis_version or "?"
-        return version if version.startswith("valkey ") else f"redis {version}"
-
     def summary(self) -> str:
         """The node in one line, for people (or why it is unreachable)."""
         if not self.reachable:
@@ -101,12 +95,14 @@ class NodeStatus:
         if self.aof_enabled and self.appendfsync:
             persistence += f" (appendfsync {self.appendfsync})"
         shape = f"cluster of {len(self.servers)} masters  " if self.servers else ""
+        version = self.redis_version or "?"
+        server = version if version.startswith("valkey ") else f"redis {version}"
         replicas = (
             "" if self.connected_replicas is None else f"  {self.connected_replicas} replica(s)"
         )
         return (
             f"{shape}{self.round_trip_milliseconds or 0:.2f} ms  "
-            f"{self.server_text}  {self.role or 'role ?'}  {persistence}{replicas}"
+            f"{server}  {self.role or 'role ?'}  {persistence}{replicas}"
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -397,11 +393,6 @@ class ReapResult:
     proof: str | None
     reason: str
     nodes_freed: int = 0
-
-    @property
-    def freed(self) -> bool:
-        """True when the lock was deleted."""
-        return self.action == FREED
 
     def to_json(self) -> dict[str, Any]:
         """The JSON form."""

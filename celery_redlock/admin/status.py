@@ -83,11 +83,7 @@ def merged_status(name: str, servers: Sequence[NodeStatus]) -> NodeStatus:
     and each field where they agree."""
     down = [server for server in servers if not server.reachable]
     up = [server for server in servers if server.reachable]
-    error = None
-    if down:
-        error = f"{len(down)} of {len(servers)} masters unreachable: " + "; ".join(
-            f"{server.node}: {server.error}" for server in down
-        )
+    unreachable = "; ".join(f"{server.node}: {server.error}" for server in down)
     versions = sorted({server.redis_version for server in up if server.redis_version})
     replicas = [server.connected_replicas for server in up]
     known_replicas = [count for count in replicas if count is not None]
@@ -102,16 +98,14 @@ def merged_status(name: str, servers: Sequence[NodeStatus]) -> NodeStatus:
     return NodeStatus(
         name,
         reachable=not down and bool(servers),
-        error=error,
+        error=f"{len(down)} of {len(servers)} masters unreachable: {unreachable}" if down else None,
         round_trip_milliseconds=max(
             (server.round_trip_milliseconds or 0.0 for server in up), default=None
         ),
         redis_version=", ".join(versions) or None,
         **agreed,
         # The weakest shard: the fewest replicas of any master (unknown if any is unknown).
-        connected_replicas=min(known_replicas, default=None)
-        if len(known_replicas) == len(replicas)
-        else None,
+        connected_replicas=None if None in replicas else min(known_replicas, default=None),
         could_not_read=tuple(could_not_read),
         servers=tuple(servers),
     )

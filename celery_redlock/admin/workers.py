@@ -61,8 +61,6 @@ def broadcast(
 def inspect_workers(app: Any, names: Sequence[str], timeout: float) -> dict[str, WorkerState]:
     """Ping the workers ``names`` (waiting the whole ``timeout``, so duplicate names show) and
     ask those that answer for their active and reserved tasks and their processes."""
-    if not names:
-        return {}
     counts: Counter[str] = Counter()
     for reply in broadcast(app, "ping", names, timeout):
         counts.update(name for name in reply if name in names)
@@ -102,16 +100,14 @@ def with_worker_checks(app: Any, records: Sequence[LockRecord], timeout: float) 
     """``records`` with ``worker_answers`` and ``task_active`` of held locks' workers."""
     names = worker_node_names(record.owner for record in records if record.held)
     states = inspect_workers(app, names, timeout)
-    checked = []
-    for record in records:
+
+    def checked(record: LockRecord) -> LockRecord:
         state = states.get(worker_node_name(record.owner) or "")
         if state is None:
-            checked.append(record)
-            continue
+            return record
         active = None
         if state.answers and state.running is not None and record.task_id is not None:
             active = record.task_id in state.running
-        checked.append(
-            dataclasses.replace(record, worker_answers=state.answers, task_active=active)
-        )
-    return checked
+        return dataclasses.replace(record, worker_answers=state.answers, task_active=active)
+
+    return [checked(record) for record in records]
