@@ -41,9 +41,8 @@ class DuplicateCoalesced(DuplicateSkipped):
     starts after this one arrived and so covers its work: what ``AsyncResult.get()`` raises."""
 
     def __init__(self, key: str, holder: str | None = None, into: str | None = None) -> None:
-        RedlockError.__init__(self, key, holder, into)
-        self.key = key
-        self.holder = holder
+        super().__init__(key, holder)
+        self.args = (key, holder, into)
         self.into = into
 
     def __str__(self) -> str:

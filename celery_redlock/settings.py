@@ -56,7 +56,7 @@ class RedlockSettings:
     strict_settings: bool = False  # redlock_strict_settings: unknown redlock_* names are errors
 
     def __post_init__(self) -> None:
-        if isinstance(self.urls, str) or not isinstance(self.urls, (list, tuple)):
+        if not isinstance(self.urls, (list, tuple)):
             raise ConfigurationError(
                 f"redlock_urls must be a list of Redis URLs, got a {type(self.urls).__name__}; "
                 "e.g. ['redis://r1:6379/0', 'redis://r2:6379/0', 'redis://r3:6379/0']"

@@ -1,9 +1,6 @@
 """The beat leader's lease (`LeaderMixin`) and its schedule records (`celery_redlock.beat` offers
-the schedulers built on them).
-
-The beat holding the lease (the *leader*) sends the due tasks; the others (*followers*) wait for
-it to free up. The leader extends the lease while it lives, releases it at shutdown, and stops
-sending as soon as a majority of lock nodes does not confirm an extension.
+the schedulers built on them). The beat holding the lease (the *leader*) sends the due tasks; the
+others (*followers*) wait for it to free up.
 
 Before sending a tick the leader records the entry's new ``last_run_at`` and run count on a
 majority of lock nodes, written only where the lease key still holds its token. A new leader reads
