@@ -70,16 +70,11 @@ def wait_readable(descriptors: Sequence[int], timeout: float) -> list[int]:
 
 
 class Waiter(Protocol):
-    """Whoever waits for slots (`nodes.reactor.Waiting`): the reader puts each answered one in
-    its ``inbox``."""
+    """Whoever waits for slots: told of each once it is answered (with the reactor's lock held);
+    what it returns is called once that lock is released (work that may block)."""
 
-    inbox: list[Slot]
-    wake_after: int
-    unattended: bool
-    closed: bool
-
-    def call_attention(self) -> None:
-        """Wake the waiting thread to take its inbox."""
+    def deliver(self, slot: Slot) -> Callable[[], object] | None:
+        """Take note of ``slot``'s reply (or failure)."""
 
 
 class Poller(Protocol):
@@ -90,16 +85,13 @@ class Poller(Protocol):
 
 class Slot:
     """Where the reply to one queued command goes. ``tag`` is the waiter's own mark (which node,
-    which command); ``last`` marks the last reply of what the waiter counts as one answer (a
-    script call after ``ASKING``, before ``WAIT``); ``failure`` says why the reply is
-    `NO_REPLY`."""
+    which command); ``failure`` says why the reply is `NO_REPLY`."""
 
-    __slots__ = ("channel", "done", "failure", "last", "reply", "sent_at", "tag", "waiter")
+    __slots__ = ("channel", "done", "failure", "reply", "sent_at", "tag", "waiter")
 
-    def __init__(self, waiter: Waiter | None, tag: Any = None, last: bool = True) -> None:
+    def __init__(self, waiter: Waiter | None, tag: Any = None) -> None:
         self.waiter = waiter
         self.tag = tag
-        self.last = last
         self.reply: Any = NO_REPLY
         self.failure = ""
         self.done = False

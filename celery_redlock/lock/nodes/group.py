@@ -14,9 +14,10 @@ import weakref
 from collections.abc import Sequence
 
 from ..scripts import Script
+from .channel import Slot
 from .members import LockNode
 from .reactor import Connections, Waiting
-from .round import Judge, Members, Round, RoundResult, ScriptHeads, check_unattended, patience
+from .round import Judge, Members, Round, RoundResult, ScriptHeads, patience
 from .subscriber import Subscriber
 
 
@@ -86,7 +87,6 @@ class NodeGroup:
         round_ = Round(members, script, keys, arguments, judge, every, grants, owed_until, wait)
         if not wait:
             round_.start()
-            check_unattended(members.connections.reactor)  # a send that failed at once
             return RoundResult([], 0, 0, time.monotonic(), [])
         try:
             round_.start()
@@ -137,22 +137,15 @@ class ReleaseListener(Waiting):
         # Subscribed only once the servers confirm: a release before that would go unheard.
         waited = patience(group.node_timeout, lateness, len(lateness))
         deadline = time.monotonic() + waited
-        reactor = connections.reactor
         while not all(subscriber.confirmed(channel) for subscriber in self.subscribers):
-            reactor.wait(self, deadline)
-            check_unattended(reactor)
-            with reactor.lock:
-                self._take_inbox()
-            if time.monotonic() >= deadline:
+            self.satisfied = False
+            if not connections.reactor.wait(self, deadline) and time.monotonic() >= deadline:
                 break
 
-    def _take_inbox(self) -> None:
-        """Take note of the notifications in the inbox (with the reactor's lock held)."""
-        if any(slot.tag == "message" for slot in self.inbox):
+    def deliver(self, slot: Slot) -> None:
+        if slot.tag == "message":
             self.notified = True
-        self.inbox.clear()
-        self.attention = False
-        self.wake_after = 1
+        self.satisfy()
 
     def __enter__(self) -> ReleaseListener:
         return self
@@ -162,7 +155,6 @@ class ReleaseListener(Waiting):
 
     def close(self) -> None:
         """Drop the subscriptions."""
-        self.closed = True
         for subscriber in self.subscribers:
             subscriber.stop(self.channel, self)
         self.subscribers.clear()
@@ -177,11 +169,10 @@ class ReleaseListener(Waiting):
         deadline = time.monotonic() + max(seconds, 0)
         while True:
             with reactor.lock:
-                self._take_inbox()
                 if self.notified:
                     self.notified = False
                     return True
+                self.satisfied = False
             if time.monotonic() >= deadline:
                 return False
             reactor.wait(self, deadline)
-            check_unattended(reactor)

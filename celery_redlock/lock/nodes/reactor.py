@@ -2,11 +2,9 @@
 threads that wait, one at a time (`Reactor`).
 
 A thread that waits for replies (a `Waiting`) becomes the *reader* when nobody else is reading:
-it polls every connection of the process, reads what arrives and puts each answered slot in its
-waiter's inbox. A waiter is woken only once its inbox may hold what it waits for; it judges the
-replies itself, in its own thread. Replies for rounds nobody waits for (releases) are left in
-`Reactor.unattended` for the next thread back from a wait to judge. When its own wait is over,
-the reader passes the role to one thread still waiting. A thread on its own is
+it polls every connection of the process, reads what arrives and hands each reply to the slot it
+answers; the waiter of that slot is woken only once what it waits for is complete. When its own
+wait is over, the reader passes the role to one thread still waiting. A thread on its own is
 always the reader — no hand-off, no extra thread. Commands queued while the reader polls, on
 connections that owe replies, are written by the reader when its poll ends (`Channel.flush`).
 There is no thread per call and no background reader: with gevent or eventlet, the waiting
@@ -25,28 +23,21 @@ import time
 from collections.abc import Iterable
 
 from ..scripts import LOADED_ON_CONNECT
-from .channel import Channel, Slot, Waiter, wait_readable
+from .channel import Channel, Slot, wait_readable
 from .endpoint import Endpoint
-from .resp import ErrorReply, pack_command
+from .resp import pack_command
 from .subscriber import Subscriber
 
 
 class Waiting:
-    """Something a thread waits for (a round of replies, release notifications). The reader puts
-    its answered slots in `inbox` and calls for its attention once ``wake_after`` of its calls
-    are complete (a slot marked ``last`` completes one), or at once for a failure or an error
-    reply. Its thread takes the inbox with the reactor's lock held, and calls `satisfy` once
-    what it waits for is complete. One that is ``unattended`` (nobody waits for it) is listed in
-    `Reactor.unattended` instead; a ``closed`` one takes no more slots."""
+    """Something a thread waits for (a round of replies, a release notification). Subclasses
+    define `deliver`, told of each answered slot of theirs, and call `satisfy` (with the
+    reactor's lock held) once it is complete."""
 
-    def __init__(self, unattended: bool = False) -> None:
+    def __init__(self) -> None:
         self.satisfied = False
         self.attention = False  # its thread must act before waiting on (see `call_attention`)
         self.asleep = False  # its thread sleeps (or is about to): only then is it woken
-        self.unattended = unattended
-        self.closed = False
-        self.inbox: list[Slot] = []
-        self.wake_after = 1
         self._wakeup = threading.Lock()
         self._wakeup.acquire()
 
@@ -83,10 +74,6 @@ class Reactor:
         self.polling = False  # a reader polls: it flushes the writers once the poll ends
         self._reading = False
         self._waiting: dict[Waiting, None] = {}  # those asleep or about to be, in order
-        self.unattended: dict[Waiter, None] = {}  # with replies nobody judged yet, in order
-        # One of them got a failure or an error reply (a key that moved, a lost script, a server
-        # down): the reader stops reading for it to be judged at once, not after its own wait.
-        self.unattended_trouble = False
         # Written to when a connection is added while a reader polls, so that it polls it too.
         self._wake_reader_read, self._wake_reader_write = os.pipe()
         os.set_blocking(self._wake_reader_read, False)
@@ -107,29 +94,20 @@ class Reactor:
             os.write(self._wake_reader_write, b"x")
 
     def deliver(self, slots: Iterable[Slot]) -> None:
-        """Put answered slots in their waiters' inboxes, and wake each waiter whose inbox may
-        now hold what it waits for (see `Waiting`)."""
+        """Hand answered slots to their waiters (then run what they left to do)."""
+        afterwards = []
         with self.lock:
             for slot in slots:
-                waiter = slot.waiter
-                if waiter is None or waiter.closed:
-                    continue
-                waiter.inbox.append(slot)
-                if waiter.unattended:
-                    self.unattended[waiter] = None
-                    if slot.failure or isinstance(slot.reply, ErrorReply):
-                        self.unattended_trouble = True
-                    continue
-                if slot.last:
-                    waiter.wake_after -= 1
-                if waiter.wake_after <= 0 or slot.failure or isinstance(slot.reply, ErrorReply):
-                    waiter.call_attention()
+                if slot.waiter is not None:
+                    then = slot.waiter.deliver(slot)
+                    if then is not None:
+                        afterwards.append(then)
+        for then in afterwards:
+            then()
 
     def wait(self, waiting: Waiting, deadline: float) -> bool:
-        """Wait until ``waiting`` is satisfied (True), calls for attention, an unattended round got
-        a failure or an error reply (`unattended_trouble`), or ``deadline``
-        (``time.monotonic()``) passes, reading for everybody while nobody else does. Whoever
-        returns judges the unattended replies (`nodes.round.check_unattended`).
+        """Wait until ``waiting`` is satisfied (True), calls for attention, or ``deadline``
+        (``time.monotonic()``) passes, reading for everybody while nobody else does.
 
         Safe against a signal handler raising at any point (a soft time limit): on the way out
         the reading role is always given back, and the waiter taken off the list."""
@@ -141,7 +119,7 @@ class Reactor:
                         self._reading = False
                         reading = False
                     now = time.monotonic()
-                    done = waiting.satisfied or waiting.attention or self.unattended_trouble
+                    done = waiting.satisfied or waiting.attention
                     if not done and now >= deadline:
                         # A thread the CPU got to late may find its replies arrived in time,
                         # unread: one last look (without waiting) before it gives up on them.
@@ -190,12 +168,11 @@ class Reactor:
                 return
 
     def _read_until(self, waiting: Waiting, deadline: float) -> None:
-        """Read until ``waiting`` is satisfied or calls for attention, an unattended round is in
-        trouble, or ``deadline`` passes; at least one look, without waiting, even when it has
-        passed already."""
+        """Read until ``waiting`` is satisfied or calls for attention, or ``deadline`` passes;
+        at least one look, without waiting, even when it has passed already."""
         wake_descriptor = self._wake_reader_read
         looked = False
-        while not (waiting.satisfied or waiting.attention or self.unattended_trouble):
+        while not (waiting.satisfied or waiting.attention):
             left = deadline - time.monotonic()
             if left <= 0 and looked:
                 return
@@ -221,7 +198,7 @@ class Reactor:
                             os.read(wake_descriptor, 4096)
                         continue
                     by_descriptor[descriptor].read(descriptor, answered)
-            finally:  # even when a signal handler raises: answered slots reach their inboxes
+            finally:  # even when a signal handler raises: answered slots reach their waiters
                 if answered:
                     self.deliver(answered)
 

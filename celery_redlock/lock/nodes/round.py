@@ -4,9 +4,9 @@ the source (NOSCRIPT); an error reply, or one the script cannot give, counts as 
 backs the server off.
 
 A round nobody waits for (``attended=False``: a release at the end of a run, the clean-up of a
-failed attempt) is only sent; the next thread back from a wait checks its replies the same way
-(`check_unattended`), and follows a key that moved from there. A server that is backed off, or
-gives no reply, is owed a clean-up (`Endpoint.owe`): it gets it once it answers again."""
+failed attempt) is only sent; whichever thread reads next checks its replies the same way, and
+follows a key that moved from there. A server that is backed off, or gives no reply, is owed a
+clean-up (`Endpoint.owe`): it gets it once it answers again."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from ..scripts import Script
 from .channel import NO_REPLY, Slot, hung_after
 from .endpoint import Endpoint
 from .members import LockNode
-from .reactor import Connections, Reactor, Waiting
+from .reactor import Connections, Waiting
 from .resp import ErrorReply, pack_arguments, pack_command
 
 Judge = Callable[[Any], "bool | None"]
@@ -124,7 +124,7 @@ class Round(Waiting):
     ) -> None:
         """``owed_until``: for a clean-up, the monotonic time until which what it removes may
         live; a member that does not answer it is owed it until then (`Endpoint.owe`)."""
-        super().__init__(unattended=not attended)
+        super().__init__()
         self.nodes = nodes = members.nodes
         self.node_timeout = members.node_timeout
         self.quorum = len(nodes) // 2 + 1
@@ -145,6 +145,7 @@ class Round(Waiting):
         self.replies: list[Any] = [NO_REPLY] * count
         self.why_not: list[str | None] = ["not asked"] * count
         self.calls: list[NodeCall | None] = [None] * count
+        self.follow_ups: list[tuple[NodeCall, Slot]] = []
         # A member's command is followed to another server (or sent again with its script) at
         # most this often per round: a redirection loop (ASKING denied) ends as no answer.
         self.follow_ups_left = [FOLLOW_UPS_PER_MEMBER] * count
@@ -238,8 +239,7 @@ class Round(Waiting):
                 # connection while it waits, and its own reply must arrive within the round.
                 timeout_ms = max(1, int(self.node_timeout * 500))
                 commands.append(pack_command("WAIT", node.wait_replicas, timeout_ms))
-            call.slots = [Slot(self, call, last=False) for _ in commands]
-            call.slots[-1].last = True
+            call.slots = [Slot(self, call) for _ in commands]
             call.main = call.slots[1 if asking else 0]
             call.replicas = call.slots[-1] if waits else None
             packed = b"".join(commands)
@@ -257,36 +257,33 @@ class Round(Waiting):
 
     # -- replies (with the reactor's lock held) ----------------------------------------------
 
-    def _take_inbox(self) -> list[tuple[NodeCall, ErrorReply]]:
-        """Judge the replies in the inbox; returns the calls to send again elsewhere (MOVED,
-        ASK, TRYAGAIN) or with the script's source (NOSCRIPT)."""
-        slots, self.inbox = self.inbox, []
-        self.attention = False
-        follow_ups: list[tuple[NodeCall, ErrorReply]] = []
-        for slot in slots:
-            call: NodeCall = slot.tag
-            # A call is taken once, with its last slot: the slots of one call are answered in
-            # order (all of them, when its connection fails), often several in one read.
-            if self.calls[call.index] is not call or not slot.last:
-                continue  # a superseded call, or the rest of its replies is still to come
-            assert call.main is not None
-            reply = call.main.reply
-            if (
-                isinstance(reply, ErrorReply)
-                and (
-                    reply.code in _FOLLOWED
-                    or (reply.code == "TRYAGAIN" and self.script.alone and not call.alone)
-                )
-                and not self.finished
-                and self.follow_ups_left[call.index] > 0
-            ):
-                self.follow_ups_left[call.index] -= 1
-                follow_ups.append((call, reply))
-            else:
-                self._take(call)
-        return follow_ups
+    def deliver(self, slot: Slot) -> Callable[[], object] | None:
+        call: NodeCall = slot.tag
+        # A call is taken once, with its last slot: the slots of one call are answered in order
+        # (all of them, when its connection fails), often several in one read.
+        if self.calls[call.index] is not call or slot is not call.slots[-1]:
+            return None  # a superseded call, or the rest of its replies is still to come
+        assert call.main is not None
+        reply = call.main.reply
+        if (
+            isinstance(reply, ErrorReply)
+            and (
+                reply.code in _FOLLOWED
+                or (reply.code == "TRYAGAIN" and self.script.alone and not call.alone)
+            )
+            and not self.finished
+            and self.follow_ups_left[call.index] > 0
+        ):
+            self.follow_ups_left[call.index] -= 1
+            if not self.attended:  # followed by the reader, once the reactor's lock is free
+                return lambda: self._follow(call, reply)
+            self.follow_ups.append((call, call.main))
+            self.call_attention()
+            return None
+        self._take(call)
+        return None
 
-    def _send_unattended(self, call: NodeCall, reply: ErrorReply) -> None:
+    def _send_unattended(self, call: NodeCall, reply: object) -> None:
         """A round that succeeded while a member's NOSCRIPT was still to be followed: the member
         runs the call anyway (with the source, unattended), so that it holds what the others do.
         Sent before the round returns: ahead of whatever the caller sends next (a release)."""
@@ -355,23 +352,8 @@ class Round(Waiting):
         self._check()
 
     def _check(self) -> None:
-        if self.satisfied:
-            return
-        if self.decided():
+        if not self.satisfied and self.decided():
             self.satisfy()
-            return
-        self.wake_after = self._answers_to_decide()
-        if self.inbox:  # replies arrived meanwhile: counted against the old figure
-            self.call_attention()
-
-    def _answers_to_decide(self) -> int:
-        """The fewest further answers that could decide the round (`decided`): each answered
-        call adds one success or one failure."""
-        if self.every:
-            return max(1, self.outstanding)
-        quorum = self.quorum
-        refusals_to_decide = len(self.nodes) - quorum + 1 - self.failures
-        return max(1, min(quorum - self.successes, refusals_to_decide, self.outstanding))
 
     def decided(self) -> bool:
         """True once the outcome is known: a quorum succeeded, a majority refused, or no quorum
@@ -393,17 +375,19 @@ class Round(Waiting):
         reactor = self.connections.reactor
         while True:
             reactor.wait(self, self.deadline)
-            check_unattended(reactor)
+            if self.satisfied and not self.attention:
+                return  # satisfied is set once and for all: no lock needed to read it
             with reactor.lock:
-                follow_ups = self._take_inbox()
+                follow_ups, self.follow_ups = self.follow_ups, []
+                self.attention = False
                 satisfied = self.satisfied
             if satisfied:
-                for call, reply in follow_ups:
-                    self._send_unattended(call, reply)
+                for call, slot in follow_ups:
+                    self._send_unattended(call, slot.reply)
                 return
             if follow_ups:
-                for call, reply in follow_ups:
-                    self._follow(call, reply)
+                for call, slot in follow_ups:
+                    self._follow(call, slot.reply)
                 self.deadline = max(self.deadline, time.monotonic() + self.patience)
                 continue
             if time.monotonic() >= self.deadline:
@@ -455,8 +439,6 @@ class Round(Waiting):
         reactor = self.connections.reactor
         reactor.deliver(failed)
         with reactor.lock:
-            self.finished = True  # no more follow-ups: a redirection now is no answer
-            self._take_inbox()
             for call in self.calls:
                 if call is not None and not all(slot.done for slot in call.slots):
                     self.calls[call.index] = None
@@ -469,9 +451,10 @@ class Round(Waiting):
                         self._settle(call.index, f"{why} (WAIT)")
                     else:
                         self._settle(call.index, waited)
+            self.finished = True
 
     def finish(self) -> RoundResult:
-        """What the round learned; replies arriving later only tell of their servers' health."""
+        """What the round learned; replies arriving later are read and dropped."""
         if self.outstanding <= 0:  # every member has answered or failed: nothing changes now
             self.finished = True
             return RoundResult(
@@ -479,9 +462,6 @@ class Round(Waiting):
             )
         with self.connections.reactor.lock:
             self.finished = True
-            self._take_inbox()
-            # Later replies are judged by whoever comes back from a wait, as a release's are.
-            self.unattended = True
             return RoundResult(
                 list(self.replies),
                 self.successes,
@@ -489,22 +469,3 @@ class Round(Waiting):
                 time.monotonic(),
                 list(self.why_not),
             )
-
-
-def check_unattended(reactor: Reactor) -> None:
-    """Judge the replies the reader left for rounds nobody waits for (`Reactor.unattended`), and
-    follow those whose key moved: run by every thread back from a wait, outside the reactor's
-    lock."""
-    while reactor.unattended:
-        with reactor.lock:
-            rounds = list(reactor.unattended)
-            reactor.unattended.clear()
-            reactor.unattended_trouble = False
-            follow_ups = [
-                (each, call, reply)
-                for each in rounds
-                if isinstance(each, Round)
-                for call, reply in each._take_inbox()
-            ]
-        for each, call, reply in follow_ups:
-            each._follow(call, reply)

@@ -9,13 +9,21 @@ import ssl
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from redis.exceptions import RedisError as RedisClientError
 
-from .channel import READ_SIZE, Slot, Waiter
+from .channel import READ_SIZE, Slot
 from .endpoint import Endpoint
 from .resp import INCOMPLETE, ProtocolError, new_reply_parser, pack_command
+
+
+class Listening(Protocol):
+    """A waiter of release notifications: told by a slot tagged ``"subscribed"`` (the server
+    confirmed a subscription), ``"message"`` (a release) or ``"lost"`` (the connection failed)."""
+
+    def deliver(self, slot: Slot) -> None:
+        """Take note of a notification (the reactor's lock is held)."""
 
 
 class Subscriber:
@@ -27,7 +35,7 @@ class Subscriber:
         self.lock = threading.Lock()
         self.socket: Any = None
         self._parser = new_reply_parser()
-        self._listeners: dict[str, set[Waiter]] = {}
+        self._listeners: dict[str, set[Listening]] = {}
         self._confirmed: set[str] = set()
 
     def fileno(self) -> int:
@@ -35,7 +43,7 @@ class Subscriber:
         sock = self.socket
         return sock.fileno() if sock is not None else -1
 
-    def listen(self, channel: str, listener: Waiter) -> bool:
+    def listen(self, channel: str, listener: Listening) -> bool:
         """Have ``listener`` told of releases on ``channel``; False if the server cannot be
         reached (the listener then waits without notifications from it)."""
         with self.lock:
@@ -63,7 +71,7 @@ class Subscriber:
         failed: there is nothing left to wait for)."""
         return self.socket is None or channel in self._confirmed
 
-    def stop(self, channel: str, listener: Waiter) -> None:
+    def stop(self, channel: str, listener: Listening) -> None:
         """Stop telling ``listener`` of releases on ``channel``."""
         with self.lock:
             listeners = self._listeners.get(channel)
@@ -81,9 +89,7 @@ class Subscriber:
                     self._close_locked()
 
     def read(self, descriptor: int, told: list[Slot]) -> None:
-        """Read what arrived; add to ``told`` a slot per listener to tell, tagged ``"subscribed"``
-        (the server confirmed a subscription), ``"message"`` (a release) or ``"lost"`` (the
-        connection failed)."""
+        """Read what arrived; add to ``told`` a slot per listener to tell (see `Listening`)."""
         sock = self.socket
         if sock is None or sock.fileno() != descriptor:
             return
