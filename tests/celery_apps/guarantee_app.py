@@ -46,6 +46,13 @@ def quick(self: SingletonTask, key: str) -> str:
         return str(self.lock.key)
 
 
+@app.task(base=SingletonTask, bind=True, lock_args=("key",), lock_ttl=3)
+def brief(self: SingletonTask, key: str) -> str:
+    """Record a run. Its short ``lock_ttl`` brings a copy deferred while it ran back in seconds."""
+    with LOG.run(self.lock.key, label=key, task_id=self.request.id):
+        return str(self.lock.key)
+
+
 @app.task(base=SingletonTask, bind=True, lock_args=("key",), lock_ttl=6, acks_late=True)
 def late(self: SingletonTask, key: str, seconds: float) -> dict[str, Any]:
     """An ``acks_late`` run; only the first delivery of a task id sleeps ``seconds``."""
