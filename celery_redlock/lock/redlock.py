@@ -379,7 +379,8 @@ class Redlock:
         self, lock: Lock, hold: float = 0.0, record: Record | None = None, confirm: bool = True
     ) -> bool:
         """Release the lock on every node where it still holds this lock's token (never anybody
-        else's); True if a majority confirmed, False if it had expired or been taken over.
+        else's); True if a majority confirmed, False if it had expired or been taken over, or if
+        no majority answered within ``node_timeout`` (a node reached runs the release anyway).
 
         With ``hold`` seconds the lock is kept that much longer instead; with ``record`` its rank
         is recorded on every node reached. ``confirm=False`` sends and returns False at once (this
