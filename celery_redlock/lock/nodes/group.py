@@ -17,7 +17,7 @@ from ..scripts import Script
 from .channel import Slot
 from .members import LockNode
 from .reactor import Connections, Waiting
-from .round import Judge, Members, Round, RoundResult, ScriptHeads, patience
+from .round import Judge, Members, Round, RoundResult, ScriptHeads, endpoint_of, patience
 from .subscriber import Subscriber
 
 
@@ -103,9 +103,7 @@ class NodeGroup:
         (`Endpoint.forgive`)."""
         encoded = value.encode()
         for node in self.nodes:
-            endpoint = node.fixed_endpoint
-            if endpoint is None:
-                endpoint = node.endpoint_for(key)
+            endpoint = endpoint_of(node, key)
             if endpoint is not None:
                 endpoint.forgive(encoded)
 

@@ -27,7 +27,8 @@ class LockNode:
 
     ``wait_replicas`` (Cluster and Sentinel members): a grant counts only once that many replicas
     acknowledged it (Redis ``WAIT``). ``fixed_endpoint``: the one server of a member whose
-    server never changes (a standalone one), which rounds use without asking `endpoint_for`."""
+    server never changes (a standalone one), used without calling `endpoint_for`
+    (`round.endpoint_of`)."""
 
     name = ""
     wait_replicas = 0

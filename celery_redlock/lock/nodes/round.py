@@ -49,6 +49,13 @@ def patience(node_timeout: float, lateness: list[float], quorum: int) -> float:
     return min(max(node_timeout, late), node_timeout * LONGEST_PATIENCE)
 
 
+def endpoint_of(node: LockNode, key: str) -> Endpoint | None:
+    """The server a command on ``key`` goes to now (`LockNode.endpoint_for`); a standalone
+    member's own, without the call."""
+    endpoint = node.fixed_endpoint
+    return endpoint if endpoint is not None else node.endpoint_for(key)
+
+
 @dataclass
 class RoundResult:
     """What one round learned: each member's reply (``NO_REPLY`` where none was usable), how many
@@ -167,9 +174,7 @@ class Round(Waiting):
         skipped: list[tuple[int, LockNode, Endpoint | None]] = []
         lateness: list[float] = []
         for index, node in enumerate(self.nodes):
-            endpoint = node.fixed_endpoint
-            if endpoint is None:
-                endpoint = node.endpoint_for(self.key)
+            endpoint = endpoint_of(node, self.key)
             if endpoint is None or endpoint.is_backed_off(now):
                 skipped.append((index, node, endpoint))
             else:
