@@ -436,6 +436,39 @@ def test_a_connect_interrupted_inside_redis_py_closes_the_socket_it_was_making(
     assert held[0].fileno() == -1  # closed at once, not left to the garbage collector
 
 
+def test_a_connect_interrupted_inside_the_socket_constructor_closes_the_half_made_socket(
+    one_node: RedisNodes,
+) -> None:
+    # The signal may also arrive inside socket.socket's constructor, after the operating system
+    # socket exists but before the Python attributes close() reads are set (CI saw it):
+    # closing that half-made socket must neither fail nor leave its descriptor open.
+    constructor = socket.socket.__init__.__code__
+    lines, first = inspect.getsourcelines(constructor)
+    at = first + next(number for number, line in enumerate(lines) if "self._io_refs = 0" in line)
+    held: list[socket.socket] = []
+
+    def in_constructor(frame: Any, event: str, argument: Any) -> Any:
+        if event == "line" and frame.f_lineno == at and not held:
+            held.append(frame.f_locals["self"])
+            raise Interrupted("a signal")
+        return in_constructor
+
+    def tracer(frame: Any, event: str, argument: Any) -> Any:
+        return in_constructor if frame.f_code is constructor else None
+
+    endpoint = Endpoint.from_url(one_node.urls[0], 1.0)
+    sys.settrace(tracer)
+    try:
+        with pytest.raises(Interrupted):
+            endpoint.open_socket()
+    finally:
+        sys.settrace(None)
+    assert len(held) == 1
+    assert held[0].fileno() == -1  # closed at once, not left to the garbage collector
+    with endpoint.open_socket() as sock:  # and the next connect works
+        assert sock.fileno() != -1
+
+
 def test_callers_interrupted_by_signals_never_get_other_callers_replies(
     one_node: RedisNodes,
 ) -> None:

@@ -148,7 +148,11 @@ def _close_unwound_sockets(trace: TracebackType | None) -> None:
     while trace is not None:
         for value in trace.tb_frame.f_locals.values():
             if isinstance(value, socket.socket):
-                value.close()
+                # Not value.close(): a socket whose constructor was interrupted lacks the
+                # attributes close() reads. detach() needs none of them.
+                descriptor = value.detach()
+                if descriptor != -1:
+                    os.close(descriptor)
         trace = trace.tb_next
 
 
