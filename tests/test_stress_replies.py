@@ -26,6 +26,7 @@ from celery_redlock.lock import keyspace, scripts
 from celery_redlock.lock.nodes import NO_REPLY, NodeGroup, RoundResult, members_from_urls
 from celery_redlock.lock.nodes import endpoint as endpoint_module
 from celery_redlock.lock.nodes.channel import Channel
+from celery_redlock.lock.nodes.round import deliver
 from celery_redlock.lock.outcomes import Acquired
 from celery_redlock.lock.owner import Tokens
 from celery_redlock.lock.redlock import reservation_of, reserve
@@ -131,7 +132,7 @@ def test_a_connection_failing_inside_a_write_leaves_every_reply_to_its_caller(
         first.hold_next("after")
         callers.start("a")
         assert first.entered.wait(5), "A never wrote"
-        connections.reactor.deliver(channel.fail(channel.generation, "cut", back_off=False))
+        deliver(connections.reactor, channel.fail(channel.generation, "cut", back_off=False))
         callers.start("b")
         assert wait_until(lambda: opened and opened[0].entered.is_set(), timeout=5)
         first.gate.set()

@@ -17,7 +17,17 @@ from ..scripts import Script
 from .channel import Slot
 from .members import LockNode
 from .reactor import Connections, Waiting
-from .round import Judge, Members, Round, RoundResult, ScriptHeads, endpoint_of, patience
+from .round import (
+    Judge,
+    Members,
+    Round,
+    RoundResult,
+    ScriptHeads,
+    deliver,
+    endpoint_of,
+    patience,
+    wait,
+)
 from .subscriber import Subscriber
 
 
@@ -57,8 +67,9 @@ class NodeGroup:
 
     def close(self) -> None:
         """Close this process's connections to the servers; later rounds open new ones."""
-        if self._connections.pid == os.getpid():
-            self._connections.close()
+        connections = self._connections
+        if connections.pid == os.getpid():
+            deliver(connections.reactor, connections.close())
 
     def run(
         self,
@@ -137,7 +148,8 @@ class ReleaseListener(Waiting):
         deadline = time.monotonic() + waited
         while not all(subscriber.confirmed(channel) for subscriber in self.subscribers):
             self.satisfied = False
-            if not connections.reactor.wait(self, deadline) and time.monotonic() >= deadline:
+            wait(connections.reactor, self, deadline)
+            if not self.satisfied and time.monotonic() >= deadline:
                 break
 
     def deliver(self, slot: Slot) -> None:
@@ -173,4 +185,4 @@ class ReleaseListener(Waiting):
                 self.satisfied = False
             if time.monotonic() >= deadline:
                 return False
-            reactor.wait(self, deadline)
+            wait(reactor, self, deadline)

@@ -2,13 +2,14 @@
 threads that wait, one at a time (`Reactor`).
 
 A thread that waits for replies (a `Waiting`) becomes the *reader* when nobody else is reading:
-it polls every connection of the process, reads what arrives and hands each reply to the slot it
-answers; the waiter of that slot is woken only once what it waits for is complete. When its own
-wait is over, the reader passes the role to one thread still waiting. A thread on its own is
-always the reader — no hand-off, no extra thread. Commands queued while the reader polls, on
-connections that owe replies, are written by the reader when its poll ends (`Channel.flush`).
-There is no thread per call and no background reader: with gevent or eventlet, the waiting
-greenlets take turns the same way.
+it polls every connection of the process and reads what arrives into the slots it answers. After
+every poll the layer above hands those slots to their waiters (`nodes.round.deliver`); the waiter
+of a slot is woken only once what it waits for is complete. When its own wait is over, the
+reader passes the role to one thread still waiting. A thread on its own is always the reader —
+no hand-off, no extra thread. Commands queued while the reader polls, on connections that owe
+replies, are written by the reader when its poll ends (`Channel.flush`). There is no thread per
+call and no background reader: with gevent or eventlet, the waiting greenlets take turns the
+same way.
 
 Everything that waits here has a deadline; a deadline that passes wakes its waiter whatever the
 others do. After a fork, the child has a reactor of its own (`nodes.group`).
@@ -20,7 +21,7 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Generator
 
 from ..scripts import LOADED_ON_CONNECT
 from .channel import Channel, Slot, wait_readable
@@ -93,24 +94,17 @@ class Reactor:
         with contextlib.suppress(OSError):  # the pipe is full: the reader is woken anyway
             os.write(self._wake_reader_write, b"x")
 
-    def deliver(self, slots: Iterable[Slot]) -> None:
-        """Hand answered slots to their waiters (then run what they left to do)."""
-        afterwards = []
-        with self.lock:
-            for slot in slots:
-                if slot.waiter is not None:
-                    then = slot.waiter.deliver(slot)
-                    if then is not None:
-                        afterwards.append(then)
-        for then in afterwards:
-            then()
-
-    def wait(self, waiting: Waiting, deadline: float) -> bool:
-        """Wait until ``waiting`` is satisfied (True), calls for attention, or ``deadline``
-        (``time.monotonic()``) passes, reading for everybody while nobody else does.
+    def wait(
+        self, waiting: Waiting, deadline: float, answered: list[Slot]
+    ) -> Generator[None, None, None]:
+        """Wait until ``waiting`` is satisfied, calls for attention, or ``deadline``
+        (``time.monotonic()``) passes, reading for everybody while nobody else does. Yields
+        whenever a read put slots in ``answered``: the caller hands them to their waiters, and
+        empties the list, before it resumes the wait.
 
         Safe against a signal handler raising at any point (a soft time limit): on the way out
-        the reading role is always given back, and the waiter taken off the list."""
+        (closed, too) the reading role is always given back, and the waiter taken off the list;
+        slots read before the interruption are in ``answered``."""
         reading = looked = left = False
         try:
             while True:
@@ -131,7 +125,7 @@ class Reactor:
                         # it only when cut short); leaving twice does no harm.
                         self._leave_locked(waiting)
                         left = True
-                        return waiting.satisfied
+                        return
                     if not self._reading:
                         reading = True  # first: an interruption in between leaves no role held
                         self._reading = True
@@ -140,7 +134,7 @@ class Reactor:
                         waiting.asleep = True
                         self._waiting[waiting] = None
                 if reading:
-                    self._read_until(waiting, deadline)
+                    yield from self._read_until(waiting, deadline, answered)
                 else:
                     waiting.sleep(deadline - now)
         finally:
@@ -167,9 +161,12 @@ class Reactor:
                 other.wake()
                 return
 
-    def _read_until(self, waiting: Waiting, deadline: float) -> None:
+    def _read_until(
+        self, waiting: Waiting, deadline: float, answered: list[Slot]
+    ) -> Generator[None, None, None]:
         """Read until ``waiting`` is satisfied or calls for attention, or ``deadline`` passes;
-        at least one look, without waiting, even when it has passed already."""
+        at least one look, without waiting, even when it has passed already. Yields after every
+        poll that answered slots (see `wait`)."""
         wake_descriptor = self._wake_reader_read
         looked = False
         while not (waiting.satisfied or waiting.attention):
@@ -181,26 +178,23 @@ class Reactor:
                 by_descriptor = {channel.fileno(): channel for channel in self.channels}
                 writers = self.writers
             by_descriptor.pop(-1, None)
-            answered: list[Slot] = []
+            self.polling = True
             try:
-                self.polling = True
-                try:
-                    ready = wait_readable([wake_descriptor, *by_descriptor], max(left, 0.0))
-                finally:
-                    # First, even when a signal handler raises: the commands left to this reader
-                    # while it polled (a command queued from now on is written by its sender).
-                    self.polling = False
-                    for writer in writers:
-                        answered += writer.flush()
-                for descriptor in ready:
-                    if descriptor == wake_descriptor:
-                        with contextlib.suppress(OSError):
-                            os.read(wake_descriptor, 4096)
-                        continue
-                    by_descriptor[descriptor].read(descriptor, answered)
-            finally:  # even when a signal handler raises: answered slots reach their waiters
-                if answered:
-                    self.deliver(answered)
+                ready = wait_readable([wake_descriptor, *by_descriptor], max(left, 0.0))
+            finally:
+                # First, even when a signal handler raises: the commands left to this reader
+                # while it polled (a command queued from now on is written by its sender).
+                self.polling = False
+                for writer in writers:
+                    answered += writer.flush()
+            for descriptor in ready:
+                if descriptor == wake_descriptor:
+                    with contextlib.suppress(OSError):
+                        os.read(wake_descriptor, 4096)
+                    continue
+                by_descriptor[descriptor].read(descriptor, answered)
+            if answered:
+                yield
 
     def close(self) -> None:
         """Close the wake-up pipe (the channels are closed by their owners)."""
@@ -250,14 +244,14 @@ class Connections:
                     self.subscribers[id(endpoint)] = subscriber
         return subscriber
 
-    def close(self) -> None:
-        """Close every connection; the slots still waiting get no reply."""
+    def close(self) -> list[Slot]:
+        """Close every connection; returns the slots still waiting, answered with no reply."""
         failed: list[Slot] = []
         for channel in list(self.channels.values()):
             failed += channel.close()
         for subscriber in list(self.subscribers.values()):
             subscriber.close()
-        self.reactor.deliver(failed)
+        return failed
 
     def dispose(self) -> None:
         """Close every socket without taking any lock: for a group that is gone, or the parent's

@@ -19,7 +19,7 @@ from ..scripts import Script
 from .channel import NO_REPLY, Slot, hung_after
 from .endpoint import Endpoint
 from .members import LockNode
-from .reactor import Connections, Waiting
+from .reactor import Connections, Reactor, Waiting
 from .resp import ErrorReply, pack_arguments, pack_command
 
 Judge = Callable[[Any], "bool | None"]
@@ -47,6 +47,38 @@ def patience(node_timeout: float, lateness: list[float], quorum: int) -> float:
         return node_timeout
     late = sorted(lateness)[quorum - 1] * PATIENCE_PER_LATENESS
     return min(max(node_timeout, late), node_timeout * LONGEST_PATIENCE)
+
+
+def deliver(reactor: Reactor, slots: list[Slot]) -> None:
+    """Hand answered slots to their waiters, emptying ``slots`` (then run what the waiters left
+    to do once the reactor's lock is free)."""
+    afterwards = []
+    with reactor.lock:
+        while slots:
+            # Taken off first: a signal handler raising in between loses a slot, never hands
+            # one over twice (the caller's clean-up delivers what is left).
+            slot = slots.pop(0)
+            if slot.waiter is not None:
+                then = slot.waiter.deliver(slot)
+                if then is not None:
+                    afterwards.append(then)
+    for then in afterwards:
+        then()
+
+
+def wait(reactor: Reactor, waiting: Waiting, deadline: float) -> None:
+    """Wait for ``waiting`` (`Reactor.wait`) until ``deadline``, handing what this thread reads
+    for everybody to their waiters as it goes."""
+    answered: list[Slot] = []
+    reads = reactor.wait(waiting, deadline, answered)
+    try:
+        for _ in reads:
+            deliver(reactor, answered)
+    finally:  # interrupted (a signal handler raising): what was read still reaches its waiters
+        try:
+            deliver(reactor, answered)
+        finally:
+            reads.close()
 
 
 def endpoint_of(node: LockNode, key: str) -> Endpoint | None:
@@ -258,7 +290,7 @@ class Round(Waiting):
         channel = self.connections.channel(endpoint)
         failed = channel.send(packed, call.slots, late_after=hung_after(self.node_timeout))
         if failed:
-            self.connections.reactor.deliver(failed)
+            deliver(self.connections.reactor, failed)
 
     # -- replies (with the reactor's lock held) ----------------------------------------------
 
@@ -296,7 +328,7 @@ class Round(Waiting):
         if noscript and self.successes >= self.quorum:
             packed = self._packed(by_source=True)
             failed = self.connections.channel(call.endpoint).send(packed, [Slot(None, "late")])
-            self.connections.reactor.deliver(failed)
+            deliver(self.connections.reactor, failed)
 
     def _take(self, call: NodeCall) -> None:
         assert call.main is not None
@@ -379,7 +411,7 @@ class Round(Waiting):
         the last send), following redirections and script loads on the way."""
         reactor = self.connections.reactor
         while True:
-            reactor.wait(self, self.deadline)
+            wait(reactor, self, self.deadline)
             if self.satisfied and not self.attention:
                 return  # satisfied is set once and for all: no lock needed to read it
             with reactor.lock:
@@ -442,7 +474,7 @@ class Round(Waiting):
                         call.endpoint.mark_down(now, waited)
                     failed += failed_now
         reactor = self.connections.reactor
-        reactor.deliver(failed)
+        deliver(reactor, failed)
         with reactor.lock:
             for call in self.calls:
                 if call is not None and not all(slot.done for slot in call.slots):
