@@ -52,12 +52,15 @@ def patience(node_timeout: float, lateness: list[float], quorum: int) -> float:
 def deliver(reactor: Reactor, slots: list[Slot]) -> None:
     """Hand answered slots to their waiters, emptying ``slots`` (then run what the waiters left
     to do once the reactor's lock is free)."""
+    if not slots:
+        return
     afterwards = []
     with reactor.lock:
-        while slots:
-            # Taken off first: a signal handler raising in between loses a slot, never hands
-            # one over twice (the caller's clean-up delivers what is left).
-            slot = slots.pop(0)
+        # Taken off the list first: a signal handler raising on the way may lose slots, but
+        # never hands one over twice (the caller's clean-up delivers what is left).
+        batch = slots[:]
+        del slots[:]
+        for slot in batch:
             if slot.waiter is not None:
                 then = slot.waiter.deliver(slot)
                 if then is not None:
