@@ -405,56 +405,36 @@ def test_a_caller_interrupted_anywhere_leaves_the_connection_in_order(
     assert problems == [], "\n".join(problems)
 
 
-def test_a_connect_interrupted_inside_redis_py_closes_the_socket_it_was_making(
-    one_node: RedisNodes,
+@pytest.mark.parametrize(
+    ("function", "marker", "name"),
+    [
+        # redis-py's connect holds a socket it has not handed over yet, and closes it on its own
+        # errors only: raised where it calls connect() on the socket.
+        (redis.connection.Connection._connect, "sock.connect(", "sock"),
+        # Inside socket.socket's constructor, after the operating system socket exists but
+        # before the attributes close() reads are set (CI saw it): closing that half-made socket
+        # must neither fail nor leave its descriptor open.
+        (socket.socket.__init__, "self._io_refs = 0", "self"),
+    ],
+    ids=["in redis-py's connect", "in the socket constructor"],
+)
+def test_a_connect_interrupted_closes_the_socket_it_was_making(
+    one_node: RedisNodes, function: Any, marker: str, name: str
 ) -> None:
-    # A signal handler (a soft time limit) may raise while redis-py's connect holds a socket it
-    # has not handed over yet, and redis-py closes that socket on its own errors only. Raised
-    # here where it calls connect() on the socket, like a signal arriving during that call.
-    connect = redis.connection.Connection._connect.__code__
-    lines, first = inspect.getsourcelines(connect)
-    at = first + next(number for number, line in enumerate(lines) if "sock.connect(" in line)
+    # A signal handler (a soft time limit) raising at that line, like a signal arriving there.
+    code = function.__code__
+    lines, first = inspect.getsourcelines(code)
+    at = first + next(number for number, line in enumerate(lines) if marker in line)
     held: list[socket.socket] = []
 
-    def in_connect(frame: Any, event: str, argument: Any) -> Any:
-        if event == "line" and frame.f_lineno == at:
-            held.append(frame.f_locals["sock"])
-            raise Interrupted("a signal")
-        return in_connect
-
-    def tracer(frame: Any, event: str, argument: Any) -> Any:
-        return in_connect if frame.f_code is connect else None
-
-    endpoint = Endpoint.from_url(one_node.urls[0], 1.0)
-    sys.settrace(tracer)
-    try:
-        with pytest.raises(Interrupted):
-            endpoint.open_socket()
-    finally:
-        sys.settrace(None)
-    assert len(held) == 1
-    assert held[0].fileno() == -1  # closed at once, not left to the garbage collector
-
-
-def test_a_connect_interrupted_inside_the_socket_constructor_closes_the_half_made_socket(
-    one_node: RedisNodes,
-) -> None:
-    # The signal may also arrive inside socket.socket's constructor, after the operating system
-    # socket exists but before the Python attributes close() reads are set (CI saw it):
-    # closing that half-made socket must neither fail nor leave its descriptor open.
-    constructor = socket.socket.__init__.__code__
-    lines, first = inspect.getsourcelines(constructor)
-    at = first + next(number for number, line in enumerate(lines) if "self._io_refs = 0" in line)
-    held: list[socket.socket] = []
-
-    def in_constructor(frame: Any, event: str, argument: Any) -> Any:
+    def at_the_line(frame: Any, event: str, argument: Any) -> Any:
         if event == "line" and frame.f_lineno == at and not held:
-            held.append(frame.f_locals["self"])
+            held.append(frame.f_locals[name])
             raise Interrupted("a signal")
-        return in_constructor
+        return at_the_line
 
     def tracer(frame: Any, event: str, argument: Any) -> Any:
-        return in_constructor if frame.f_code is constructor else None
+        return at_the_line if frame.f_code is code else None
 
     endpoint = Endpoint.from_url(one_node.urls[0], 1.0)
     sys.settrace(tracer)
