@@ -13,6 +13,7 @@ import contextlib
 import gc
 import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -41,23 +42,17 @@ EMBEDDED_WORKER_DEFAULTS: dict[str, Any] = {
 }
 
 
+@dataclass(eq=False, repr=False)
 class WorkerFactory:
     """What ``redlock_worker_factory`` gives a test: each call starts one worker subprocess
     (`celery_redlock.testing.CeleryWorker`) with the harness settings; :meth:`kill_all` kills
     every worker it started, pool children included."""
 
-    def __init__(
-        self,
-        config: pytest.Config,
-        app: Celery,
-        settings: Mapping[str, Any],
-        log_directory: Path,
-    ) -> None:
-        self._config = config
-        self._app = app
-        self._settings = settings
-        self._log_directory = log_directory
-        self._started: list[CeleryWorker] = []
+    config: pytest.Config
+    app: Celery
+    settings: Mapping[str, Any]
+    log_directory: Path
+    _started: list[CeleryWorker] = field(default_factory=list, init=False)
 
     def __call__(
         self,
@@ -78,7 +73,7 @@ class WorkerFactory:
         once with ``wait=False``."""
         from celery_redlock.testing import CeleryWorker
 
-        target = app or str(self._config.getini(APP_OPTION)).strip()
+        target = app or str(self.config.getini(APP_OPTION)).strip()
         if not target:
             raise pytest.UsageError(
                 f"redlock_worker_factory needs the app the worker loads: set {APP_OPTION} "
@@ -91,15 +86,15 @@ class WorkerFactory:
             concurrency=concurrency,
             queues=queues,
             arguments=arguments,
-            settings=self._settings,
+            settings=self.settings,
             environment=environment,
-            python_path=_configured_python_path(self._config),
-            working_directory=self._config.rootpath,
-            log_path=self._log_directory / f"{name}.log",
+            python_path=_configured_python_path(self.config),
+            working_directory=self.config.rootpath,
+            log_path=self.log_directory / f"{name}.log",
         )
         self._started.append(worker.start())
         if wait:
-            worker.wait_ready(self._app, timeout)
+            worker.wait_ready(self.app, timeout)
         return worker
 
     def kill_all(self) -> None:

@@ -293,7 +293,7 @@ def acl_nodes(nodes: RedisNodes, *rules: str) -> list[str]:
             client.execute_command("ACL", "SETUSER", OPERATOR[0], *rules)
             client.execute_command("ACL", "SETUSER", "default", "off")
     user, password = OPERATOR
-    return [f"redis://{user}:{password}@{server.host}:{server.port}/0" for server in nodes]
+    return [f"redis://{user}:{password}@{server.address}/0" for server in nodes]
 
 
 def as_root() -> dict[str, str]:

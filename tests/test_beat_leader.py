@@ -115,7 +115,7 @@ def wait_for_new_holder(
 
 def logs(*processes: CeleryProcess) -> str:
     """The end of each process's output, for assertion messages."""
-    return "\n".join(f"--- beat pid {p.process and p.pid} ---\n{p.log_tail()}" for p in processes)
+    return "\n".join(f"--- {p!r} ---\n{p.log_tail()}" for p in processes)
 
 
 def start_beats(
@@ -291,8 +291,7 @@ def test_gracefully_stopped_leader_releases_the_lease_at_once(
         _, taken_at = wait_for_new_holder(
             locks, {follower.pid}, timeout=lease_ttl, alive=[follower]
         )
-        assert leader.process is not None
-        leader.process.wait(10)
+        leader.wait(10)
         exited_at = time.time()
         assert "released lease" in leader.log_text(), leader.log_tail()
         wait_for_sends(recorder, 2, taken_at, [follower])

@@ -121,7 +121,7 @@ def test_status_warns_about_settings_that_weaken_safety(redis_nodes: Any) -> Non
         client.execute_command("ACL", "SETUSER", "operator", "on", ">s3cret", "~*", "&*", "+@all")
         client.execute_command("ACL", "SETUSER", "operator", "-config")
     with second.client() as client:
-        client.execute_command("REPLICAOF", first.host, first.port)
+        client.execute_command("REPLICAOF", "127.0.0.1", first.port)
 
     report = as_json(invoke(create_app([first.url, second.url]), "status", "--json", *FAST))
 
@@ -132,7 +132,7 @@ def test_status_warns_about_settings_that_weaken_safety(redis_nodes: Any) -> Non
         "maxmemory-policy volatile-lru with maxmemory set: under memory pressure Redis may evict "
         "lock keys (they have a ttl) and hand a lock out twice; use noeviction on lock nodes"
     ]
-    assert replica["role"] == "slave" and replica["master"] == f"{first.host}:{first.port}"
+    assert replica["role"] == "slave" and replica["master"] == first.address
     assert any("Redlock needs independent masters" in text for text in replica["warnings"])
     assert any(text.startswith("no AOF (appendonly no)") for text in replica["warnings"])
     assert (
@@ -142,12 +142,12 @@ def test_status_warns_about_settings_that_weaken_safety(redis_nodes: Any) -> Non
     assert not any("no more failures than" in text for text in report["warnings"])
 
     # A user without CONFIG (ACL): appendfsync is unknown, and the password is never shown.
-    operator_url = f"redis://operator:s3cret@{first.host}:{first.port}/0"
-    same_server = f"redis://{first.host}:{first.port}/1"
+    operator_url = f"redis://operator:s3cret@{first.address}/0"
+    same_server = f"redis://{first.address}/1"
     result = invoke(create_app([operator_url, same_server, second.url]), "status", *FAST)
     assert result.exit_code == 0
     assert "s3cret" not in result.output
-    assert f"redis://operator:***@{first.host}:{first.port}/0" in result.stdout
+    assert f"redis://operator:***@{first.address}/0" in result.stdout
     assert "AOF on, appendfsync unknown (CONFIG GET not allowed)" in result.stdout
     assert (
         "could not read appendfsync (CONFIG GET): the node's user may not run 'config|get'; "

@@ -148,7 +148,7 @@ def database_state(model: Any) -> dict[str, tuple[datetime | None, int]]:
 
 def logs(*processes: CeleryProcess) -> str:
     """The end of each process's output, for assertion messages."""
-    return "\n".join(f"--- beat pid {p.process and p.pid} ---\n{p.log_tail()}" for p in processes)
+    return "\n".join(f"--- {p!r} ---\n{p.log_tail()}" for p in processes)
 
 
 def start_beats(

@@ -294,8 +294,7 @@ def test_a_bad_configuration_stops_the_worker_at_start(redis_nodes: MakeRedisNod
             )
         expected = BAD_CONFIGURATIONS.items()
         for process, (name, (_, _, named)) in zip(processes, expected, strict=True):
-            assert process.process is not None
-            returncode = process.process.wait(60)
+            returncode = process.wait(60)
             output = process.log_text()
             assert returncode != 0, f"{name}: the worker started\n{output}"
             assert named in output, f"{name}: {output}"

@@ -1,6 +1,6 @@
-"""The process options declared once (celery_redlock.testing.processes.ProcessOptions) reach the
-process through every kind of managed process, and every ``with`` block of the harness ends with
-its resource's ``close()`` (celery_redlock.testing.processes.ClosingResource)."""
+"""The process options of `celery_redlock.testing.ManagedProcess` reach the process through every
+kind of managed process, and every ``with`` block of the harness ends with what closing its
+resource means."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import redis
 from redlock_support import wait_until
-from topologies.servers import free_port
+from topologies.servers import free_port, role
 
 from celery_redlock.testing import (
     ManagedProcess,
@@ -58,10 +58,10 @@ def test_a_process_with_a_child_is_paused_resumed_and_killed_as_a_group(tmp_path
         assert wait_until(lambda: "started" in parent.log_text(), timeout=20, alive=[parent])
         child = int(child_pid_file.read_text())
         parent.pause()
-        assert parent.is_paused and not parent.is_active
+        assert parent.is_paused
         assert wait_until(lambda: _state(parent.pid) == "T" and _state(child) == "T")
         parent.resume()
-        assert parent.is_active
+        assert parent.is_running and not parent.is_paused
         assert wait_until(lambda: _state(parent.pid) != "T" and _state(child) != "T")
         parent.kill()
         assert parent.returncode == -signal.SIGKILL
@@ -89,28 +89,27 @@ def test_stop_ends_a_paused_process_gracefully_and_reports_its_status() -> None:
     process.remove_log()
 
 
-def test_an_exited_process_starts_again_with_a_new_command() -> None:
-    process = ManagedProcess(_python("print('first run')"))
+def test_an_exited_process_starts_again_appending_to_its_log() -> None:
+    process = ManagedProcess(_python("import os; print('run', os.getpid()); raise SystemExit(4)"))
     process.start()
-    assert process.wait(20) == 0
+    assert process.wait(20) == 4
     first_pid = process.pid
-    process.reconfigure(command=_python("print('second run'); raise SystemExit(4)"))
     process.start()
     assert process.wait(20) == 4
     assert process.pid != first_pid
-    assert process.log_text().splitlines() == ["first run", "second run"]
-    assert process.log_tail(1) == "second run"
-    with pytest.raises(ProcessExitedError, match="second run"):
+    assert process.log_text().splitlines() == [f"run {first_pid}", f"run {process.pid}"]
+    assert process.log_tail(1) == f"run {process.pid}"
+    with pytest.raises(ProcessExitedError, match=f"run {process.pid}"):
         process.check_alive()
     process.remove_log()
 
 
-def test_a_running_process_refuses_a_second_start_and_a_new_command() -> None:
-    with ManagedProcess(_python("import time; time.sleep(60)")) as process:
-        with pytest.raises(RuntimeError, match="already running"):
-            process.start()
-        with pytest.raises(RuntimeError, match="stop it before"):
-            process.reconfigure(command=["true"])
+def test_a_running_process_refuses_a_second_start() -> None:
+    with (
+        ManagedProcess(_python("import time; time.sleep(60)")) as process,
+        pytest.raises(RuntimeError, match="already running"),
+    ):
+        process.start()
     process.remove_log()
 
 
@@ -127,7 +126,7 @@ def test_a_redis_server_is_a_managed_process_whose_run_directory_goes_with_it() 
     server.start()
     try:
         assert server.log_path != first_log
-        assert server.role() == "master"
+        assert role(server) == "master"
     finally:
         server.stop()
     assert not server.log_path.parent.exists()

@@ -177,7 +177,7 @@ def test_nodes_that_answer_late_are_waited_for_not_given_up() -> None:
         contextlib.ExitStack() as proxies,
     ):
         late = [
-            proxies.enter_context(FaultyProxy((server.host, server.port), delay=0.08))
+            proxies.enter_context(FaultyProxy(("127.0.0.1", server.port), delay=0.08))
             for server in nodes.servers
         ]
         dlm = Redlock([proxy.url for proxy in late], retry_count=1, node_timeout=NODE_TIMEOUT)

@@ -685,7 +685,7 @@ def test_a_holder_extends_and_releases_in_a_half_migrated_slot(
             key = lock.key if moved == "lock key" else keyspace.fence_key(lock.key)
             with source.client(socket_timeout=5) as client:
                 client.execute_command(
-                    "MIGRATE", destination.host, destination.port, "", 0, 5000, "KEYS", key
+                    "MIGRATE", "127.0.0.1", destination.port, "", 0, 5000, "KEYS", key
                 )
             for _ in range(3):
                 assert holder.extend(lock), "the holder could not extend in a half-migrated slot"

@@ -40,8 +40,7 @@ def worker(
 
 def refusal(process: ManagedProcess) -> tuple[int, str]:
     """The exit status and output of a worker expected to stop on its own."""
-    assert process.process is not None
-    return process.process.wait(60), process.log_text()
+    return process.wait(60), process.log_text()
 
 
 def test_misspelled_settings_are_warnings_naming_the_closest_setting(

@@ -14,11 +14,9 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .processes import ManagedProcess, ProcessOptions
+from .processes import ManagedProcess
 
 if TYPE_CHECKING:
-    from typing import Unpack
-
     from celery import Celery
 
 
@@ -36,7 +34,6 @@ class WorkerNotReadyError(RuntimeError):
 
 
 def _command_line_settings(settings: Mapping[str, Any]) -> list[str]:
-    """``key=(json)<value>`` arguments, Celery's ``config_from_cmdline``."""
     arguments = []
     for key, value in settings.items():
         # Celery splits the key at its first underscore into a namespace and a name.
@@ -58,7 +55,7 @@ def _command_line_settings(settings: Mapping[str, Any]) -> list[str]:
 
 class CeleryProcess(ManagedProcess):
     """``python -m celery -A <app> <arguments>`` as a `ManagedProcess` (``**options``: its
-    `ProcessOptions`; the label defaults to the sub-command), run by the caller's interpreter.
+    keyword options; the label defaults to the sub-command), run by the caller's interpreter.
 
     ``settings`` (for ``worker`` and ``beat``) are applied over the app's own: lower-case names
     such as ``"redlock_urls"``, JSON values, passed on the command line after ``--``;
@@ -73,7 +70,7 @@ class CeleryProcess(ManagedProcess):
         arguments: Sequence[str],
         *,
         settings: Mapping[str, Any] | None = None,
-        **options: Unpack[ProcessOptions],
+        **options: Any,
     ) -> None:
         arguments = _sequence(arguments, "arguments")
         command = [sys.executable, "-m", "celery", "-A", app, *arguments]
@@ -107,7 +104,7 @@ class CeleryWorker(CeleryProcess):
         queues: Sequence[str] = (),
         arguments: Sequence[str] = (),
         settings: Mapping[str, Any] | None = None,
-        **options: Unpack[ProcessOptions],
+        **options: Any,
     ) -> None:
         self._hostname = name if "@" in name else f"{name}@{socket.gethostname()}"
         worker_arguments = [
@@ -161,7 +158,7 @@ class CeleryBeat(CeleryProcess):
         loglevel: str = "INFO",
         arguments: Sequence[str] = (),
         settings: Mapping[str, Any] | None = None,
-        **options: Unpack[ProcessOptions],
+        **options: Any,
     ) -> None:
         beat_arguments = ["beat", "-s", os.fspath(schedule_file), "--loglevel", loglevel]
         arguments = _sequence(arguments, "arguments")

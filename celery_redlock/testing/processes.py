@@ -1,6 +1,5 @@
 """`ManagedProcess`, the harness's one process manager (its Redis servers and Celery processes
-are kinds of it), `stop_processes`, and `ClosingResource`: a ``with`` block over any of the
-harness's processes and server groups calls its ``close()`` on leaving."""
+are kinds of it), and `stop_processes`."""
 
 from __future__ import annotations
 
@@ -13,54 +12,19 @@ import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, TypedDict, TypeVar
+from typing import TypeVar
 
-if TYPE_CHECKING:
-    from typing import Unpack
-
-
-_ResourceT = TypeVar("_ResourceT", bound="ClosingResource")
 _ProcessT = TypeVar("_ProcessT", bound="ManagedProcess")
 
 _REAP_TIMEOUT = 10.0  # seconds to wait for a SIGKILLed process to be reaped
 _EXIT_POLL_INTERVAL = 0.01  # how often stop_processes looks for exits (and asks `hurry`)
 
 
-class ClosingResource:
-    """Something a ``with`` block closes on leaving, whatever happened in the block; entering
-    returns it (kinds that start something override ``__enter__`` to start it first)."""
-
-    def close(self) -> None:
-        """Give back what the resource holds (each kind says how); repeating is harmless."""
-        raise NotImplementedError(f"{type(self).__name__} does not say how it closes")
-
-    def __enter__(self: _ResourceT) -> _ResourceT:
-        return self
-
-    def __exit__(self, *exception: object) -> None:
-        self.close()
-
-
 class ProcessExitedError(RuntimeError):
     """A process expected to run has exited; the message ends with the end of its output."""
 
 
-class ProcessOptions(TypedDict, total=False):
-    """The keyword options of every `ManagedProcess` (each may be left out): ``environment``
-    (variables added to the caller's environment, or the whole environment with
-    ``inherit_environment=False``), ``python_path`` (put first on ``PYTHONPATH``),
-    ``working_directory``, ``log_path`` (by default a new temporary file) and ``label`` (a short
-    name for messages; by default the program's name)."""
-
-    environment: Mapping[str, str] | None
-    inherit_environment: bool
-    python_path: Sequence[str | os.PathLike[str]]
-    working_directory: str | os.PathLike[str] | None
-    log_path: str | os.PathLike[str] | None
-    label: str | None
-
-
-class ManagedProcess(ClosingResource):
+class ManagedProcess:
     """One command run as a child process, its output appended to a log file; killed at
     interpreter exit if still running.
 
@@ -70,7 +34,13 @@ class ManagedProcess(ClosingResource):
     ``own_process_group=False`` it shares the caller's and signals reach the main process only.
     The main process stays unreaped (its pid reserved, so signalling its group is safe) until
     :meth:`kill`, :meth:`stop` or :meth:`wait`. What needs a run raises `RuntimeError` before
-    :meth:`start`; a keyword that is not one of the `ProcessOptions` raises `TypeError`.
+    :meth:`start`.
+
+    The other options, each of which may be left out: ``environment`` (variables added to the
+    caller's environment, or the whole environment with ``inherit_environment=False``),
+    ``python_path`` (put first on ``PYTHONPATH``), ``working_directory``, ``log_path`` (by
+    default a new temporary file) and ``label`` (a short name for messages; by default the
+    program's name).
     """
 
     def __init__(
@@ -78,23 +48,20 @@ class ManagedProcess(ClosingResource):
         command: Sequence[str],
         *,
         own_process_group: bool = True,
-        **options: Unpack[ProcessOptions],
+        environment: Mapping[str, str] | None = None,
+        inherit_environment: bool = True,
+        python_path: Sequence[str | os.PathLike[str]] = (),
+        working_directory: str | os.PathLike[str] | None = None,
+        log_path: str | os.PathLike[str] | None = None,
+        label: str | None = None,
     ) -> None:
-        unknown = options.keys() - ProcessOptions.__optional_keys__
-        if unknown:
-            raise TypeError(
-                f"{type(self).__name__}() got unexpected keyword arguments: "
-                f"{', '.join(sorted(unknown))}"
-            )
         self._command = _checked_command(command)
-        self._environment = dict(options.get("environment") or {})
-        self._inherit_environment = options.get("inherit_environment", True)
-        self._python_path = tuple(os.fspath(entry) for entry in options.get("python_path", ()))
-        directory = options.get("working_directory")
-        self._working_directory = None if directory is None else os.fspath(directory)
-        self._label = options.get("label") or Path(self._command[0]).name
+        self._environment = dict(environment or {})
+        self._inherit_environment = inherit_environment
+        self._python_path = tuple(os.fspath(entry) for entry in python_path)
+        self._working_directory = working_directory  # Popen takes a path-like cwd
+        self._label = label or Path(self._command[0]).name
         self._own_process_group = own_process_group
-        log_path = options.get("log_path")
         if log_path is None:
             stem = "celery-redlock-" + "".join(c if c.isalnum() else "-" for c in self._label)
             handle, log_path = tempfile.mkstemp(prefix=f"{stem}-", suffix=".log")
@@ -105,24 +72,13 @@ class ManagedProcess(ClosingResource):
         self._cleaned_up = True  # whether the last run was reaped and cleaned up
 
     @property
-    def command(self) -> tuple[str, ...]:
-        """The program and its arguments, as the next (or current) run starts them."""
-        return self._command
-
-    @property
     def label(self) -> str:
-        """The short name used in messages."""
         return self._label
 
     @property
     def log_path(self) -> Path:
         """The file holding the process's standard output and error."""
         return self._log_path
-
-    @property
-    def process(self) -> subprocess.Popen[bytes] | None:
-        """The `subprocess.Popen` of the current or last run; ``None`` before :meth:`start`."""
-        return self._process
 
     @property
     def pid(self) -> int:
@@ -144,32 +100,6 @@ class ManagedProcess(ClosingResource):
     def is_paused(self) -> bool:
         """Whether the process runs but is frozen by :meth:`pause`."""
         return self._paused and self.is_running
-
-    @property
-    def is_active(self) -> bool:
-        """Whether the process runs and is not paused: it can answer."""
-        return self.is_running and not self._paused
-
-    def reconfigure(
-        self,
-        *,
-        command: Sequence[str] | None = None,
-        log_path: str | os.PathLike[str] | None = None,
-        working_directory: str | os.PathLike[str] | None = None,
-        label: str | None = None,
-    ) -> None:
-        """Change what the next :meth:`start` runs (what is not given stays); not while it
-        runs (`RuntimeError`)."""
-        if self.is_running:
-            raise RuntimeError(f"{self._label} is running: stop it before reconfiguring it")
-        if command is not None:
-            self._command = _checked_command(command)
-        if log_path is not None:
-            self._log_path = Path(log_path)
-        if working_directory is not None:
-            self._working_directory = os.fspath(working_directory)
-        if label is not None:
-            self._label = label
 
     def start(self: _ProcessT) -> _ProcessT:
         """Launch the process, without waiting for anything; return ``self``. `RuntimeError`
@@ -234,14 +164,6 @@ class ManagedProcess(ClosingResource):
         self.send_signal(signal.SIGCONT)
         self._paused = False
 
-    def terminate(self) -> None:
-        """Send SIGTERM, resuming a paused process so that it acts on it; does not wait."""
-        self.send_signal(signal.SIGTERM)
-        # A stopped process acts on SIGTERM only once continued; SIGCONT to a running one is
-        # ignored, so it is sent whether or not pause() froze it (a test may SIGSTOP directly).
-        self.send_signal(signal.SIGCONT)
-        self._paused = False
-
     def wait(self, timeout: float | None = None) -> int:
         """Wait until the main process exits, reap it and return its exit status;
         `subprocess.TimeoutExpired` if it still runs after ``timeout`` seconds."""
@@ -275,18 +197,15 @@ class ManagedProcess(ClosingResource):
         """Called once after each run is reaped; kinds of process clean up what a run left."""
 
     def log_text(self) -> str:
-        """The whole output so far (empty when there is none)."""
         try:
             return self._log_path.read_text(errors="replace")
         except OSError:
             return ""
 
     def log_tail(self, lines: int = 60) -> str:
-        """The last ``lines`` lines of the output (empty when there is none)."""
         return "\n".join(self.log_text().splitlines()[-lines:])
 
     def remove_log(self) -> None:
-        """Delete the log file (nothing happens if it is already gone)."""
         with contextlib.suppress(OSError):
             self._log_path.unlink()
 
@@ -295,8 +214,10 @@ class ManagedProcess(ClosingResource):
             self.start()
         return self
 
+    def __exit__(self, *exception: object) -> None:
+        self.close()
+
     def close(self) -> None:
-        """Kill the process (:meth:`kill`), as leaving a ``with`` block does."""
         self.kill()
 
     def __repr__(self) -> str:
@@ -345,8 +266,6 @@ def _checked_command(command: Sequence[str]) -> tuple[str, ...]:
 
 
 def _exit_status(process: subprocess.Popen[bytes]) -> int | None:
-    """The exit status of ``process`` (negative: killed by that signal), read without reaping
-    it; ``None`` while it runs."""
     if process.returncode is not None:
         return process.returncode
     if not hasattr(os, "waitid"):  # macOS: no waitid, so poll (which reaps)
@@ -366,13 +285,17 @@ def stop_processes(
     *,
     hurry: Callable[[], bool] | None = None,
 ) -> None:
-    """Stop several processes at once: SIGTERM to each (see `ManagedProcess.terminate`), wait
-    at most ``timeout`` seconds in all (less once ``hurry()`` is true), then SIGKILL every group
-    and reap every process. Never-started or gone processes are fine; repeating is harmless."""
-    chosen = [process for process in processes if process.process is not None]
+    """Stop several processes at once: SIGTERM to each (paused ones resumed), wait at most
+    ``timeout`` seconds in all (less once ``hurry()`` is true), then SIGKILL every group and
+    reap every process. Never-started or gone processes are fine; repeating is harmless."""
+    chosen = [process for process in processes if process._process is not None]
     for process in chosen:
         if process.is_running:
-            process.terminate()
+            process.send_signal(signal.SIGTERM)
+            # A stopped process acts on SIGTERM only once continued; SIGCONT to a running one
+            # is ignored, so it goes whether or not pause() froze it (a test may SIGSTOP it).
+            process.send_signal(signal.SIGCONT)
+            process._paused = False
     # Waiting reaps nothing (`is_running`), so the pids stay reserved for the SIGKILLs below.
     deadline = time.monotonic() + timeout
     while any(process.is_running for process in chosen) and time.monotonic() < deadline:

@@ -22,16 +22,11 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from ..lock.nodes import OwnPoolClient
-from .processes import ClosingResource, ManagedProcess, stop_processes
+from .processes import ManagedProcess, _checked_command, stop_processes
 
 HOST = "127.0.0.1"
-"""The address every server of the harness listens on."""
-
 REDIS_SERVER_ENVIRONMENT_VARIABLE = "CELERY_REDLOCK_REDIS_SERVER"
-"""Name of the environment variable that, when set, chooses the ``redis-server`` binary."""
-
 VALKEY_SERVER_ENVIRONMENT_VARIABLE = "CELERY_REDLOCK_VALKEY_SERVER"
-"""Name of the environment variable that, when set, chooses the ``valkey-server`` binary."""
 
 _PORT_ATTEMPTS = 5
 _POLL_INTERVAL = 0.01
@@ -157,11 +152,6 @@ class RedisServer(ManagedProcess):
         self._directory: Path | None = None
 
     @property
-    def host(self) -> str:
-        """The address the server listens on: always ``127.0.0.1``."""
-        return HOST
-
-    @property
     def port(self) -> int:
         """The TCP port, fixed by the first successful :meth:`start` and kept by restarts;
         `RuntimeError` if none was requested and the server has not started yet."""
@@ -171,12 +161,10 @@ class RedisServer(ManagedProcess):
 
     @property
     def address(self) -> str:
-        """``127.0.0.1:PORT``."""
         return f"{HOST}:{self.port}"
 
     @property
     def password(self) -> str | None:
-        """The password the server requires, or ``None``."""
         return self._password
 
     @property
@@ -202,17 +190,9 @@ class RedisServer(ManagedProcess):
         retries (redis-py's default is three), so a paused or killed server fails at once."""
         return {"password": self._password, "retry": Retry(NoBackoff(), 0)}
 
-    def role(self) -> str:
-        """What ``ROLE`` says the server is: ``master``, ``slave`` or ``sentinel``."""
-        with self.client(socket_timeout=5) as client:
-            role = client.execute_command("ROLE")[0]
-        return role.decode() if isinstance(role, bytes) else str(role)
-
     find_executable = staticmethod(find_redis_server)
-    """The binary to run when none was given."""
 
     def pick_port(self) -> int:
-        """The port a start tries when none is known yet: :func:`free_port`."""
         return free_port()
 
     def server_arguments(self, port: int, directory: Path) -> list[str]:
@@ -268,13 +248,11 @@ class RedisServer(ManagedProcess):
             client.execute_command(*_acl_words(line))
 
     def after_exit(self) -> None:
-        """Remove the run's directory, its log included."""
         if self._directory is not None:
             shutil.rmtree(self._directory, ignore_errors=True)
             self._directory = None
 
     def close(self) -> None:
-        """Stop the server gracefully (:meth:`~ManagedProcess.stop`), as leaving ``with`` does."""
         self.stop()
 
     def _client_on(self, port: int, **options: Any) -> redis.Redis:
@@ -285,12 +263,10 @@ class RedisServer(ManagedProcess):
         directory = Path(tempfile.mkdtemp(prefix=f"celery-redlock-{name}-{port}-"))
         self._directory = directory
         try:
-            self.reconfigure(
-                command=[executable, *self.server_arguments(port, directory)],
-                log_path=directory / "redis.log",
-                working_directory=directory,
-                label=f"{name} {HOST}:{port}",
-            )
+            self._command = _checked_command([executable, *self.server_arguments(port, directory)])
+            self._log_path = directory / "redis.log"
+            self._working_directory = directory
+            self._label = f"{name} {HOST}:{port}"
             super().start()
             self._wait_until_ready(port)
         except BaseException:
@@ -335,7 +311,7 @@ class RedisServer(ManagedProcess):
 
     def _masked_command(self) -> str:
         secret = self._password
-        return shlex.join("***" if argument == secret else argument for argument in self.command)
+        return shlex.join("***" if argument == secret else argument for argument in self._command)
 
 
 class ValkeyServer(RedisServer):
@@ -344,7 +320,7 @@ class ValkeyServer(RedisServer):
     find_executable = staticmethod(find_valkey_server)
 
 
-class ServerGroup(ClosingResource):
+class ServerGroup:
     """Servers started by :meth:`start` (or a ``with`` block) and stopped by :meth:`stop_all`
     (or leaving it). Indexing, ``len()`` and iteration are over :attr:`servers`."""
 
@@ -353,12 +329,10 @@ class ServerGroup(ClosingResource):
 
     @property
     def servers(self) -> tuple[RedisServer, ...]:
-        """The servers, in a fixed order."""
         return self._servers
 
     @property
     def urls(self) -> list[str]:
-        """The URL of every server, in the order of :attr:`servers`."""
         return [server.url for server in self._servers]
 
     def start(self: _GroupT) -> _GroupT:
@@ -380,7 +354,6 @@ class ServerGroup(ClosingResource):
         stop_processes(self._servers, timeout)
 
     def close(self) -> None:
-        """Stop every server (:meth:`stop_all`), as leaving a ``with`` block does."""
         self.stop_all()
 
     def __getitem__(self, index: int) -> RedisServer:
@@ -394,6 +367,9 @@ class ServerGroup(ClosingResource):
 
     def __enter__(self: _GroupT) -> _GroupT:
         return self.start()
+
+    def __exit__(self, *exception: object) -> None:
+        self.close()
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {list(self._servers)!r}>"

@@ -379,7 +379,7 @@ class RedisCluster(TopologyGroup):
         return replicas[0]
 
     def _answering(self) -> list[RedisServer]:
-        return [server for server in self.servers if server.is_active]
+        return [server for server in self.servers if server.is_running and not server.is_paused]
 
     def _entries_from(self, server: RedisServer) -> list[_NodeEntry]:
         with server.client(socket_timeout=5, decode_responses=True) as client:

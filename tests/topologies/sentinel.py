@@ -25,7 +25,7 @@ import redis
 from celery_redlock.testing import RedisServer
 from celery_redlock.testing.redis_servers import HOST
 
-from .servers import TopologyGroup, TopologyServer
+from .servers import TopologyGroup, TopologyServer, role
 from .waiting import wait_for_condition
 
 __all__ = ["SentinelGroup", "SentinelServer"]
@@ -265,7 +265,7 @@ class SentinelGroup(TopologyGroup):
             if len(addresses) != 1 or addresses == {old.address}:
                 return f"the sentinels name {sorted(map(str, addresses))}"
             new = self._server_at(addresses.pop())
-            if new.role() != "master":
+            if role(new) != "master":
                 return f"{new.address} is not a master yet"
             found[:] = [new]
             return None
@@ -275,6 +275,7 @@ class SentinelGroup(TopologyGroup):
 
     def _readiness_problem(self) -> str | None:
         sentinels = self._answering_sentinels()
+        running = [s for s in self.servers if s.is_running and not s.is_paused]
         master_address = None
         for sentinel in sentinels:
             with sentinel.client(socket_timeout=5, decode_responses=True) as client:
@@ -286,16 +287,16 @@ class SentinelGroup(TopologyGroup):
             master_address = address
             if int(state.get("num-other-sentinels", 0)) < len(sentinels) - 1:
                 return f"sentinel {sentinel.address} does not know the other sentinels yet"
-            expected = {s.address for s in self.servers if s.is_active} - {address}
+            expected = {s.address for s in running} - {address}
             known = {f"{r['ip']}:{r['port']}" for r in replicas if _flags(r) == {"slave"}}
             if not expected <= known:
                 return f"sentinel {sentinel.address} knows replicas {sorted(known)} only"
         if master_address is None:
             return "no sentinel answers"
-        if self._server_at(master_address).role() != "master":
+        if role(self._server_at(master_address)) != "master":
             return f"{master_address} is not a master"
-        for replica in self.servers:
-            if replica.is_active and replica.address != master_address:
+        for replica in running:
+            if replica.address != master_address:
                 with replica.client(socket_timeout=5, decode_responses=True) as client:
                     state = client.info("replication")
                 following = f"{state.get('master_host')}:{state.get('master_port')}"
@@ -304,7 +305,7 @@ class SentinelGroup(TopologyGroup):
         return None
 
     def _answering_sentinels(self) -> list[SentinelServer]:
-        return [sentinel for sentinel in self._sentinels if sentinel.is_active]
+        return [s for s in self._sentinels if s.is_running and not s.is_paused]
 
     def _server_at(self, address: str | None) -> RedisServer:
         for server in self.servers:

@@ -15,7 +15,7 @@ from celery_redlock.testing.redis_servers import HOST
 
 from .tls import TLSCertificates
 
-__all__ = ["CLUSTER_BUS_PORT_OFFSET", "TopologyGroup", "TopologyServer", "free_port"]
+__all__ = ["CLUSTER_BUS_PORT_OFFSET", "TopologyGroup", "TopologyServer", "free_port", "role"]
 
 CLUSTER_BUS_PORT_OFFSET = 10000
 """A cluster node listens for the other nodes on its port plus this."""
@@ -50,6 +50,13 @@ def free_port(*, also_free_at_offset: int | None = None) -> int:
                 second.bind((HOST, other))
                 return port
     raise RuntimeError(f"found no free port of {HOST} with port+{also_free_at_offset} free too")
+
+
+def role(server: RedisServer) -> str:
+    """What ``ROLE`` says ``server`` is: ``master``, ``slave`` or ``sentinel``."""
+    with server.client(socket_timeout=5) as client:
+        answer = client.execute_command("ROLE")[0]
+    return answer.decode() if isinstance(answer, bytes) else str(answer)
 
 
 class TopologyServer(RedisServer):

@@ -20,8 +20,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
 
-from celery_redlock.testing.processes import ClosingResource
-
 __all__ = ["TLSCertificates"]
 
 _DAYS = "2"
@@ -56,7 +54,7 @@ authorityKeyIdentifier=keyid
 
 
 @dataclass(frozen=True)
-class TLSCertificates(ClosingResource):
+class TLSCertificates:
     """PEM files in :attr:`directory`: an authority, a server and a client certificate signed by
     it (valid two days), and the certificate of an unrelated authority.
 
@@ -136,8 +134,10 @@ class TLSCertificates(ClosingResource):
         """Delete :attr:`directory` and everything in it."""
         shutil.rmtree(self.directory, ignore_errors=True)
 
-    def close(self) -> None:
-        """Delete the directory (:meth:`remove`), as leaving a ``with`` block does."""
+    def __enter__(self) -> TLSCertificates:
+        return self
+
+    def __exit__(self, *exception: object) -> None:
         self.remove()
 
     def _make(self, openssl: str) -> None:
