@@ -188,7 +188,6 @@ SETTING_NAMES = tuple(f"{SETTING_PREFIX}{field.name}" for field in fields(Redloc
 
 
 def closest_name(name: str, known: Iterable[str], cutoff: float = 0.6) -> str | None:
-    """The name of ``known`` closest to ``name`` (difflib's ratio of at least ``cutoff``)."""
     matches = difflib.get_close_matches(name, list(known), n=1, cutoff=cutoff)
     return matches[0] if matches else None
 
@@ -359,12 +358,10 @@ def has_password(url: str) -> bool:
 
 
 def has_credentials(url: str) -> bool:
-    """True if ``url`` names a user or carries a password."""
     return bool(urlsplit(url).username) or has_password(url)
 
 
 def check_number(name: str, value: object, meaning: str, valid: Any) -> None:
-    """Raise `ConfigurationError` unless ``value`` is a finite number for which ``valid`` holds."""
     if (
         isinstance(value, bool)
         or not isinstance(value, (int, float))
@@ -375,19 +372,16 @@ def check_number(name: str, value: object, meaning: str, valid: Any) -> None:
 
 
 def check_seconds(name: str, value: object, allow_zero: bool = False) -> None:
-    """Raise `ConfigurationError` unless ``value`` is a positive (or zero) number of seconds."""
     meaning = "a number of seconds, 0 or more" if allow_zero else "a positive number of seconds"
     check_number(name, value, meaning, lambda seconds: seconds >= 0 if allow_zero else seconds > 0)
 
 
 def check_boolean(name: str, value: object) -> None:
-    """Raise `ConfigurationError` unless ``value`` is True or False."""
     if not isinstance(value, bool):
         raise ConfigurationError(f"{name} must be True or False, got {value!r}")
 
 
 def check_policy(name: str, value: object, allowed: Sequence[str]) -> None:
-    """Raise `ConfigurationError` unless ``value`` is one of ``allowed``."""
     if value not in allowed:
         choices = ", ".join(repr(choice) for choice in allowed)
         raise ConfigurationError(f"{name} must be one of {choices}, got {value!r}")

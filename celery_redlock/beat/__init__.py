@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .leadership import SCHEDULE_SUFFIX, EntryRecord, LeaderMixin, LeaderScheduler, newest_records
+from ..lock.keyspace import SCHEDULE_SUFFIX  # kept for callers of 0.2
+from .leadership import EntryRecord, LeaderMixin, LeaderScheduler, newest_records
 
 # LeaderDatabaseScheduler is left out of __all__: it needs Django (see __getattr__).
 __all__ = ["SCHEDULE_SUFFIX", "EntryRecord", "LeaderMixin", "LeaderScheduler", "newest_records"]

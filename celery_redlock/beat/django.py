@@ -1,13 +1,8 @@
 """django-celery-beat's ``DatabaseScheduler`` sending only while it holds the beat leader lease:
 ``celery -A proj beat -S celery_redlock.beat:LeaderDatabaseScheduler`` (needs
 ``pip install 'celery-redlock[django]'``; `celery_redlock.beat` loads this module on first use).
-
 The database holds the schedule and every entry's state for all beats; the lock nodes hold the
-leaders' records of the ticks they sent (`celery_redlock.beat.leadership`). A beat taking the lease
-reads the schedule again and continues each entry from the newer of its row and its record
-(writing a record's state to the row at once), as the leader does whenever it reads the rows again
-(one of its writes may have failed). No write moves a row's ``last_run_at`` back or touches a
-disabled row, so a leader paused past its lease cannot overwrite its successor's writes.
+leaders' records of the ticks they sent (`celery_redlock.beat.leadership`).
 """
 
 from __future__ import annotations

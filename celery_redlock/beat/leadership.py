@@ -34,8 +34,6 @@ from ..settings import RedlockSettings
 
 logger = logging.getLogger(__name__)
 
-SCHEDULE_SUFFIX = keyspace.SCHEDULE_SUFFIX  # kept for callers of 0.2
-
 
 @dataclass(frozen=True)
 class EntryRecord:
@@ -349,7 +347,6 @@ class LeaderMixin(Scheduler):  # type: ignore[misc]
         return True
 
     def _lose(self, reason: str) -> None:
-        """Stop being the leader (the lease cannot be relied on any more)."""
         lease = self._leader_lease
         self._leader_lease = None
         self._leader_cleared = None
@@ -380,7 +377,6 @@ class LeaderMixin(Scheduler):  # type: ignore[misc]
         self._leader_redlock.close()
 
     def _log(self, level: int, event: str, detail: str = "", *args: object) -> None:
-        """Log ``event`` about the lease, naming this beat's host and pid."""
         where = "beat leader: " + event + " lease %r on %s pid %d" + detail
         logger.log(level, where, self.lease_name, socket.gethostname(), os.getpid(), *args)
 

@@ -68,7 +68,6 @@ class FencedQuerySet(models.QuerySet):  # type: ignore[misc]
         return True
 
     def fence_name(self) -> str:
-        """The name of the model's `FenceField`."""
         for field in self.model._meta.get_fields():
             if isinstance(field, FenceField):
                 return str(field.name)

@@ -1,14 +1,8 @@
-"""Deferring a delivery: publishing its very message again to run later, freeing the pool process.
-
-A deferral (or an ``on_duplicate="retry"`` retry) acknowledges the delivery only once its copy is
-published; when publishing fails, `DeferralNotPublished` tells the run, which waits for its lock in
-its process instead (`run.Run.wait_instead`).
+"""Deferring a delivery: publishing its very message again to run later (`run.Run.publish_again`),
+freeing the pool process; a deferral or retry the broker does not take (`DeferralNotPublished`).
 """
 
 from __future__ import annotations
-
-import random
-from typing import Any
 
 DEFERRED_HEADER = "celery_redlock_deferred"
 """Message header of a run published again by this library (never de-duplicated at enqueue)."""
@@ -21,16 +15,3 @@ class DeferralNotPublished(Exception):
     def __init__(self, why: str, error: BaseException) -> None:
         super().__init__(f"{why}; publishing the deferral failed: {error!r}")
         self.error = error
-
-
-def publish_again(
-    task: Any, request: Any, countdown: float, headers: dict[str, Any] | None = None
-) -> float:
-    """Publish the message of ``request`` again (same id, same attempt, same message identity,
-    every option) to run after about ``countdown`` seconds; returns the countdown used. Raises
-    what the producer raises when the broker does not take it."""
-    message_headers = {**(request.headers or {}), DEFERRED_HEADER: True, **(headers or {})}
-    countdown += random.uniform(0.0, 0.5)  # copies published together come back apart
-    again = task.signature_from_request(request, countdown=countdown, headers=message_headers)
-    again.apply_async()
-    return countdown

@@ -3,8 +3,7 @@ process that runs the task) and, when the worker sends task events (``celery wor
 events of the group ``redlock-`` that monitors such as Flower and celery-exporter receive.
 
 Events carry the task name, the task id and the lock key (a hash of the arguments, never their
-values). A run skipped or coalesced as a duplicate also sends Celery's own ``task-revoked``, so a
-monitor shows it finished instead of started for ever.
+values).
 """
 
 from __future__ import annotations

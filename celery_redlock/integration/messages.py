@@ -5,8 +5,7 @@ from an application sending the same task id again.
 a random identity in the header ``celery_redlock_message``, which the broker redelivers with it
 and which a retry or deferral keeps; sending a task id again makes a new message with a new one.
 Completion records name the message, so only a redelivery of a message whose body ran is
-acknowledged without running. A record is written only where a copy of the message can still
-arrive after its body ran (`copy_may_come`).
+acknowledged without running.
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ import time
 from typing import Any
 
 MESSAGE_HEADER = "celery_redlock_message"
-"""The message header holding a published message's identity."""
 
 RECEIVED_FIELD = "celery_redlock_received"
 """The request field holding when the worker's main process received the message (``time.time()``,

@@ -37,8 +37,6 @@ MISSPELLING_CUTOFF = 0.8
 """How close (difflib's ratio) a new name must be to a lock option to be refused as its typo:
 ``lock_tll`` (0.88) and ``on_dupliacte`` (0.92) are; a task's own ``lock`` (0.67) is not."""
 
-PLAN_ATTRIBUTE = "_celery_redlock_plan"
-
 
 @dataclass(frozen=True)
 class TaskPlan:

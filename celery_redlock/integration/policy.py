@@ -25,7 +25,6 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
-from ..lock.outcomes import Acquired, Contended, Covered, Held, Outcome
 from ..lock.owner import Owner
 
 
@@ -129,15 +128,3 @@ def relation_of(holder: Owner | None, request: Any) -> str:
     if holder.id == request.parent_id:
         return "continuation"
     return "other"
-
-
-def outcome_name(outcome: Outcome) -> str:
-    if isinstance(outcome, Acquired):
-        return "acquired"
-    if isinstance(outcome, Covered):
-        return "covered"
-    if isinstance(outcome, Held):
-        return "held"
-    if isinstance(outcome, Contended):
-        return "contended"
-    return "unavailable"

@@ -22,9 +22,6 @@ from .messages import RECEIVED_FIELD
 
 logger = logging.getLogger(__name__)
 
-# How the main process learns that the process running a task is gone.
-PROCESS_LOST_ERRORS = (WorkerLostError, Terminated)
-
 
 def free_lost_run(task: Any, task_id: str | None, args: Any, kwargs: Any, pid: int | None) -> None:
     """Free the lock a run of ``task_id`` held in process ``pid`` of this host, which is gone:
@@ -45,7 +42,6 @@ def free_lost_run(task: Any, task_id: str | None, args: Any, kwargs: Any, pid: i
 
 
 def wait_until_gone(pid: int, timeout: float) -> bool:
-    """Wait up to ``timeout`` seconds for process ``pid`` to end; True once it has."""
     try:
         descriptor = os.pidfd_open(pid)
     except ProcessLookupError:
@@ -87,7 +83,7 @@ class LockAwareRequest(Request):  # type: ignore[misc]
     ) -> Any:
         exception = getattr(exc_info, "exception", None)
         exception = getattr(exception, "exc", exception)  # unwrap ExceptionWithTraceback
-        if isinstance(exception, PROCESS_LOST_ERRORS):  # reported after the process exited
+        if isinstance(exception, (WorkerLostError, Terminated)):  # the process exited
             free_lost_run(self.task, self.id, self.args, self.kwargs, self.worker_pid)
         return super().on_failure(
             exc_info, send_failed_event=send_failed_event, return_ok=return_ok

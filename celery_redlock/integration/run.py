@@ -1,17 +1,7 @@
 """One run of a singleton task, top to bottom (`Run.execute`), right before the body: a delivery in
 the worker (``delay``, ``apply_async``, ``send_task``, beat, canvas, retries) or a plain function
-call (``task(...)``), which has no message to publish again:
-
-1. the run's lock state (token, owner text, the message's completion record) is registered on the
-   request before any SET is sent, so that whatever interrupts the acquisition, the
-   ``task_postrun`` handler (`wiring`) can release by that token;
-2. one attempt at the lock; `policy.decide` maps its outcome, the holder's relation to this
-   delivery and the task's policies to one action, carried out here;
-3. the body runs while the lock keeper extends the lock;
-4. the moment the body ends, `Run.finish` releases the lock (or keeps it ``lock_hold`` seconds)
-   and, where a copy of the message may still come (`messages.copy_may_come`), records that this
-   attempt completed, in one round — before Celery publishes callbacks, the next chain step or a
-   chord's body, which may need the same lock.
+call (``task(...)``), which has no message to publish again. Its steps, module by module:
+docs/how-it-works.md ("One run, through the modules").
 
 Nothing acknowledges a message without running its body unless the body ran (the record says
 so), will run from a message published first (a deferral), or a policy the user chose skipped a
@@ -22,12 +12,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from celery import states
 from celery.exceptions import Ignore, Reject, Retry
+from celery.utils.dispatch import Signal
 
 from .. import signals
 from ..errors import AlreadyCompleted, DuplicateSkipped, LockNotAcquired, RedlockError
@@ -39,11 +31,11 @@ from ..lock.redlock import jittered
 from ..lock.scripts import RANK_FORMAT
 from . import events
 from .coalesce import coalesce
-from .deferral import DeferralNotPublished, publish_again
+from .deferral import DEFERRED_HEADER, DeferralNotPublished
 from .events import WORKER_ATTRIBUTE, WorkerFacts
 from .messages import copy_may_come, message_field
 from .plan import TaskPlan
-from .policy import Action, Situation, decide, outcome_name, relation_of
+from .policy import Action, Situation, decide, relation_of
 
 logger = logging.getLogger(__name__)
 
@@ -119,17 +111,12 @@ class Run:
             self.record = Record(record_key, field, self.attempt_rank, lifetime)
             # The broker's window, not the record's lifetime (a user may keep records longer).
             self.writes_record = copy_may_come(task.acks_late, request, plan.redelivery_window)
-        self.hold = plan.hold
         self.started = time.monotonic()
         self.kept: KeptLock | None = None
 
-    def execute(
-        self, args: Sequence[Any], kwargs: dict[str, Any], body: Callable[[], Any] | None = None
-    ) -> Any:
-        """Take the lock, run ``body`` (default: the task's ``run(*args, **kwargs)``), release. A
-        plain call that skipped a duplicate returns None."""
-        if body is None:
-            run, body = self.task.run, lambda: run(*args, **kwargs)
+    def execute(self, body: Callable[[], Any]) -> Any:
+        """Take the lock, run ``body``, release. A plain call that skipped a duplicate returns
+        None."""
         setattr(self.request, RUN_ATTRIBUTE, self)
         try:
             lock = self.take_lock()
@@ -166,7 +153,7 @@ class Run:
             relation = relation_of(holder, self.request)
             action = decide(
                 Situation(
-                    outcome_name(outcome),
+                    type(outcome).__name__.lower(),  # policy.OUTCOMES
                     relation,
                     self.plan.on_duplicate,
                     self.plan.on_unavailable,
@@ -180,11 +167,10 @@ class Run:
                 return outcome.lock
             if action is Action.RUN_UNGUARDED:
                 assert isinstance(outcome, Unavailable)
-                self.report_unavailable(outcome)
-                logger.warning(
-                    "task %s[%s] runs WITHOUT its lock (on_unavailable='run'): %s",
-                    self.task.name,
-                    self.task_id,
+                self.report(signals.lock_unavailable, policy=self.plan.on_unavailable)
+                self.log(
+                    logging.WARNING,
+                    "runs WITHOUT its lock (on_unavailable='run'): %s",
                     outcome.error,
                 )
                 return None
@@ -200,16 +186,15 @@ class Run:
                     continue
             if action is Action.RAISE:
                 if isinstance(outcome, Unavailable):
-                    self.report_unavailable(outcome)
+                    self.report(signals.lock_unavailable, policy=self.plan.on_unavailable)
                     raise outcome.error
                 self.report_duplicate("raise", holder)
                 raise LockNotAcquired(self.lock.key, self.holder_text(outcome))
             if action is Action.SKIP:
                 self.report_duplicate("skip", holder)
-                logger.info(
-                    "task %s[%s] skipped: lock %s is held by %s",
-                    self.task.name,
-                    self.task_id,
+                self.log(
+                    logging.INFO,
+                    "skipped: lock %s is held by %s",
                     self.lock.key,
                     self.holder_text(outcome),
                 )
@@ -246,26 +231,16 @@ class Run:
         """Keep the lock alive while the body runs (in a worker, never past the hard time limit)."""
         hard_limit = self.time_limits[0] if self.can_publish else None
         deadline = None if hard_limit is None else time.monotonic() + hard_limit
-        task, task_id = self.task, self.task_id
 
         def on_lost(kept: KeptLock) -> None:
-            events.report(
-                task, signals.lock_lost, task_id, key=kept.lock.key, reason=kept.lost_reason
-            )
+            self.report(signals.lock_lost, reason=kept.lost_reason)
 
         waited = time.monotonic() - self.started
         self.lock = lock
         self.started = time.monotonic()
         self.kept = self.runtime.keeper.keep(lock, on_lost, deadline, self.plan.auto_extend)
         if signals.lock_acquired.receivers or self.monitored:
-            events.report(
-                task,
-                signals.lock_acquired,
-                task_id,
-                key=lock.key,
-                waited=waited,
-                fencing_token=lock.fencing_token,
-            )
+            self.report(signals.lock_acquired, waited=waited, fencing_token=lock.fencing_token)
 
     def finish(self, state: str) -> bool:
         """Release the lock (or keep it ``lock_hold`` more seconds, never on RETRY), record the
@@ -283,7 +258,7 @@ class Run:
             # not wait for it (the next command this process sends a node runs after it).
             released = self.runtime.redlock.release(
                 self.lock,
-                hold=self.hold if state != states.RETRY else 0.0,
+                hold=self.plan.hold if state != states.RETRY else 0.0,
                 record=self.record if records else None,
                 confirm=reported,
             )
@@ -295,22 +270,18 @@ class Run:
         if kept is None:
             return released
         if kept.is_lost:
-            logger.error(
-                "task %s[%s] finished after losing its lock %s (%s)",
-                self.task.name,
-                self.task_id,
+            self.log(
+                logging.ERROR,
+                "finished after losing its lock %s (%s)",
                 self.lock.key,
                 kept.lost_reason,
             )
         if reported:
-            events.report(
-                self.task,
+            self.report(
                 signals.lock_released,
-                self.task_id,
-                key=self.lock.key,
                 state=state,
                 held=time.monotonic() - self.started,
-                released=released and not (self.hold and state != states.RETRY),
+                released=released and not (self.plan.hold and state != states.RETRY),
             )
         return released
 
@@ -334,26 +305,19 @@ class Run:
         without spending the task's retries, until ``redlock_unavailable_timeout`` (counted from
         this call's first miss) fails the task. Returns the first outcome not `Unavailable`."""
         request = self.request
-        self.report_unavailable(outcome)
+        self.report(signals.lock_unavailable, policy=self.plan.on_unavailable)
         since = float((request.headers or {}).get(UNAVAILABLE_SINCE_HEADER) or time.time())
         timeout = self.runtime.settings.unavailable_timeout
         patience_ends = time.monotonic() + min(
             [UNAVAILABLE_PATIENCE, *(limit / 2 for limit in self.time_limits if limit)]
         )
-        logger.warning(
-            "task %s[%s] waits for a quorum of lock nodes: %s",
-            self.task.name,
-            self.task_id,
-            outcome.error,
-        )
+        self.log(logging.WARNING, "waits for a quorum of lock nodes: %s", outcome.error)
         pause = 0.05
         while True:
             if timeout is not None and time.time() - since >= timeout:
-                logger.error(
-                    "task %s[%s] failed: no quorum of lock nodes for %.0fs "
-                    "(redlock_unavailable_timeout): %s",
-                    self.task.name,
-                    self.task_id,
+                self.log(
+                    logging.ERROR,
+                    "failed: no quorum of lock nodes for %.0fs (redlock_unavailable_timeout): %s",
                     time.time() - since,
                     outcome.error,
                 )
@@ -387,26 +351,21 @@ class Run:
         left = min(limits) - (time.monotonic() - self.started) if limits else float("inf")
         if left <= 0:
             if acks_late:
-                logger.error(
-                    "task %s[%s] could not be deferred (%s): its message goes back to the broker",
-                    self.task.name,
-                    self.task_id,
+                self.log(
+                    logging.ERROR,
+                    "could not be deferred (%s): its message goes back to the broker",
                     failure,
                 )
                 raise Reject(failure.error, requeue=True) from failure.error
-            logger.error(
-                "task %s[%s] failed: it could not be deferred (%s), and it may not wait longer "
+            self.log(
+                logging.ERROR,
+                "failed: it could not be deferred (%s), and it may not wait longer "
                 "within its time limits",
-                self.task.name,
-                self.task_id,
                 failure,
             )
             raise failure.error
-        logger.warning(
-            "task %s[%s] could not be deferred (%s): it waits in its process instead",
-            self.task.name,
-            self.task_id,
-            failure,
+        self.log(
+            logging.WARNING, "could not be deferred (%s): it waits in its process instead", failure
         )
         pause = min(UNPUBLISHED_PAUSE, left)
         if isinstance(outcome, Unavailable):
@@ -419,10 +378,9 @@ class Run:
         running it. The first run's stored result stays; a caller or monitor that knows no final
         state for the id (a forgotten result) gets one: REVOKED, with `AlreadyCompleted`."""
         task, request = self.task, self.request
-        logger.info(
-            "task %s[%s] already ran (this message, attempt %s); not running it again",
-            task.name,
-            self.task_id,
+        self.log(
+            logging.INFO,
+            "already ran (this message, attempt %s); not running it again",
             RANK_FORMAT.format(*self.attempt_rank),
         )
         self.report_duplicate("completed", None)
@@ -458,16 +416,22 @@ class Run:
             countdown = self.publish_again(countdown, headers)
         except Exception as error:  # the broker refused it, or could not be reached
             raise DeferralNotPublished(why, error) from error
-        logger.info(
-            "task %s[%s] deferred by %.1fs: %s", self.task.name, self.task_id, countdown, why
-        )
+        self.log(logging.INFO, "deferred by %.1fs: %s", countdown, why)
         return Ignore()
 
     def publish_again(self, countdown: float, headers: dict[str, Any] | None = None) -> float:
-        """Publish this message again (`deferral.publish_again`); a run that goes on after it (a
-        pending coalesced run) records itself once its body ran, so the copy is acknowledged."""
+        """Publish this very message again (same id, attempt, message identity and options) to run
+        after about ``countdown`` seconds; returns the countdown used. Raises what the producer
+        raises when the broker does not take it. A run that goes on after it (a pending coalesced
+        run) records itself once its body ran, so the copy is acknowledged."""
         self.writes_record = True
-        return publish_again(self.task, self.request, countdown, headers)
+        message_headers = {**(self.request.headers or {}), DEFERRED_HEADER: True, **(headers or {})}
+        countdown += random.uniform(0.0, 0.5)  # copies published together come back apart
+        again = self.task.signature_from_request(
+            self.request, countdown=countdown, headers=message_headers
+        )
+        again.apply_async()
+        return countdown
 
     def skip(self, skipped: DuplicateSkipped) -> Ignore:
         """Store the skip as REVOKED (Celery's only finished state meaning "will not run"), so a
@@ -492,21 +456,23 @@ class Run:
         holder_text = self.holder_text(outcome)
         backoff = 2.0 ** (self.request.retries or 0)
         countdown = jittered(max(min(outcome.expires_in, backoff), 0.1))
-        logger.info(
-            "task %s[%s] retrying in %.1fs: lock %s is held by %s",
-            self.task.name,
-            self.task_id,
+        self.log(
+            logging.INFO,
+            "retrying in %.1fs: lock %s is held by %s",
             countdown,
             self.lock.key,
             holder_text,
         )
         try:
-            retried: Retry = self.task.retry(
+            return self.task.retry(
                 exc=LockNotAcquired(self.lock.key, holder_text), countdown=countdown
             )
         except Reject as rejected:  # Celery's answer when the broker did not take the retry
             raise DeferralNotPublished("retrying", rejected.reason) from rejected
-        return retried
+
+    def log(self, level: int, message: str, *args: object) -> None:
+        """Log ``message`` about this run, after ``task <name>[<id>]``."""
+        logger.log(level, "task %s[%s] " + message, self.task.name, self.task_id, *args)
 
     def stores_results(self) -> bool:
         return not (self.task.ignore_result or getattr(self.request, "ignore_result", False))
@@ -515,23 +481,11 @@ class Run:
         return describe_holder(outcome.holder if isinstance(outcome, Held) else None)
 
     def report_duplicate(self, policy: str, holder: Owner | None) -> None:
-        events.report(
-            self.task,
-            signals.lock_duplicate,
-            self.task_id,
-            key=self.lock.key,
-            policy=policy,
-            holder=holder.to_json() if holder is not None else None,
-        )
+        holder_json = holder.to_json() if holder is not None else None
+        self.report(signals.lock_duplicate, policy=policy, holder=holder_json)
 
-    def report_unavailable(self, outcome: Outcome) -> None:
-        events.report(
-            self.task,
-            signals.lock_unavailable,
-            self.task_id,
-            key=self.lock.key,
-            policy=self.plan.on_unavailable,
-        )
+    def report(self, signal: Signal, **fields: Any) -> None:
+        events.report(self.task, signal, self.task_id, key=self.lock.key, **fields)
 
 
 def release_leftovers(sender: Any = None, task: Any = None, state: str = "", **_: Any) -> None:
@@ -555,10 +509,7 @@ def current_run(task: Any) -> Run | None:
 
 
 def state_after(error: BaseException) -> str:
-    if isinstance(error, Retry):
-        return str(states.RETRY)
-    if isinstance(error, Ignore):
-        return str(states.IGNORED)
-    if isinstance(error, Reject):
-        return str(states.REJECTED)
+    for kind, state in ((Retry, states.RETRY), (Ignore, states.IGNORED), (Reject, states.REJECTED)):
+        if isinstance(error, kind):
+            return str(state)
     return str(states.FAILURE)

@@ -4,6 +4,7 @@ The task class holds the lock options and what users call; one run is `run.Run`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Sequence
 from typing import Any, ClassVar
@@ -14,9 +15,9 @@ from celery.platforms import EX_FAILURE
 from .. import signals
 from ..errors import ConfigurationError, RedlockError
 from ..lock.outcomes import Lock
-from . import enqueue, events
+from . import enqueue
 from .keys import LockKey
-from .plan import PLAN_ATTRIBUTE, TaskPlan, check_class_options, make_plan
+from .plan import TaskPlan, check_class_options, make_plan
 from .process_loss import LockAwareRequest
 from .run import Run, current_run
 
@@ -49,13 +50,10 @@ class SingletonTask(Task):  # type: ignore[misc]
         super().__init_subclass__(**kwargs)
         check_class_options(cls)
 
-    @property
+    @functools.cached_property
     def lock_plan(self) -> TaskPlan:
         """This task's lock options with the app's settings applied (validated on first use)."""
-        plan: TaskPlan | None = self.__dict__.get(PLAN_ATTRIBUTE)
-        if plan is None:
-            plan = self.__dict__[PLAN_ATTRIBUTE] = make_plan(self)
-        return plan
+        return make_plan(self)
 
     def lock_key_for(self, *args: Any, **kwargs: Any) -> str:
         """The Redis key a call with these arguments locks (under the key prefix)."""
@@ -81,8 +79,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             )
         extended = run.runtime.keeper.extend_now(run.kept, ttl)
         if extended:
-            key, validity = run.lock.key, run.lock.validity
-            events.report(self, signals.lock_extended, run.task_id, key=key, validity=validity)
+            run.report(signals.lock_extended, validity=run.lock.validity)
         return extended
 
     def start_strategy(self, app: Any, consumer: Any, **kwargs: Any) -> Any:
@@ -104,9 +101,7 @@ class SingletonTask(Task):  # type: ignore[misc]
         **options: Any,
     ) -> Any:
         """Queue the task; with ``lock_on_enqueue``, return the queued or running call's
-        ``AsyncResult`` instead of queueing a duplicate. Continuations (retries, replacements)
-        and calls with callbacks, errbacks or chord options, which another call's result would
-        drop, are always queued; so is a call no quorum answers (the run lock guards it)."""
+        ``AsyncResult`` instead of queueing a duplicate (which calls are: `enqueue.needs_claim`)."""
         if not enqueue.needs_claim(self, options):
             return super().apply_async(args, kwargs, task_id=task_id, **options)
         found = enqueue.claim(self, args, kwargs, task_id, options)
@@ -123,16 +118,15 @@ class SingletonTask(Task):  # type: ignore[misc]
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         plan = self.lock_plan
         if not self.request.called_directly:
-            return Run(self, plan, self.request, plan.recipe.resource(args, kwargs)).execute(
-                args, kwargs
-            )
+            run = Run(self, plan, self.request, plan.recipe.resource(args, kwargs))
+            return run.execute(lambda: self.run(*args, **kwargs))
         # A plain function call: a request of its own holds the run (Celery's default request
         # is shared by threads), and Celery's own __call__ runs the body, which sees it.
         self.push_request(args=args, kwargs=kwargs)
         try:
             run = Run(self, plan, self.request, plan.recipe.resource(args, kwargs))
             body = super().__call__
-            return run.execute(args, kwargs, lambda: body(*args, **kwargs))
+            return run.execute(lambda: body(*args, **kwargs))
         finally:
             self.pop_request()
 

@@ -1,17 +1,7 @@
 """The signal handlers through which celery_redlock hooks into Celery besides the task's own
-``__call__``, connected by `connect` when the package is imported (its only module-level state):
-
-- ``before_task_publish``: every new task message gets its identity (`messages`);
-- ``task_postrun``, which fires for every outcome: `run.release_leftovers` releases what a run
-  left on its request — an acquisition interrupted between sending and deciding (a soft time
-  limit, a signal), or an interrupted release;
-- in the worker's main process, ``worker_init``: remember the worker's name and whether it sends
-  events (`events`), and start the reaper timer when ``redlock_reap_interval`` is set
-  (`celery_redlock.admin.reap`); ``worker_ready``: the start-up report on the lock nodes
-  (`celery_redlock.admin.startup`).
-
-Lost pool processes are handled by the request class (`process_loss.LockAwareRequest`,
-importable from here too, as in 0.2).
+``__call__`` (each handler says what it does), connected by `connect` when the package is imported:
+its only module-level state. Lost pool processes are handled by the request class
+(`process_loss.LockAwareRequest`, importable from here too, as in 0.2).
 """
 
 from __future__ import annotations
