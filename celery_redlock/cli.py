@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any
 
 import click
 
@@ -43,18 +43,13 @@ class Session:
             click.echo(self.style(f"  unreachable: {node.node} ({node.error})", fg="red"))
 
 
-def fail(message: str) -> NoReturn:
-    click.echo(f"Error: {message}", err=True)
-    raise SystemExit(1)
-
-
 Answers = admin.StatusReport | admin.LockListing | admin.ReleaseResult
 
 
 def fail_without_quorum(answers: Answers, doing: str) -> None:
     if not answers.has_quorum:
         total, unreachable = answers.nodes_total, answers.unreachable
-        fail(
+        raise click.ClickException(
             f"only {total - len(unreachable)} of {total} lock nodes answered; a majority "
             f"({answers.quorum}) is needed to {doing}. Unreachable: "
             + "; ".join(f"{node.node} ({node.error})" for node in unreachable)
@@ -316,7 +311,8 @@ def release(
     current.emit(result.to_json(), human)
     if result.refused:
         nodes = ", ".join(refusal.node for refusal in result.refused)
-        fail(f"{result.key} is not a lock: {result.refused[0].reason} (on {nodes}); left alone")
+        reason = result.refused[0].reason
+        raise click.ClickException(f"{result.key} is not a lock: {reason} (on {nodes}); left alone")
     fail_without_quorum(result, "be sure the lock is released")
 
 
@@ -354,7 +350,7 @@ def reap(
                 progress=progress,
             )
         except QuorumUnavailable as error:
-            fail(f"{error}; nothing was reaped")
+            raise click.ClickException(f"{error}; nothing was reaped") from error
     freed = [result for result in results if result.action in (admin.FREED, admin.WOULD_FREE)]
     reports = [result.to_json() for result in results]
     data = {"dry_run": dry_run, "freed": len(freed), "results": reports}

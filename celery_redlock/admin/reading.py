@@ -44,12 +44,6 @@ DENIED_COMMAND = re.compile(r"'([^']+)' command")
 SCRIPT_DENIED = "The user executing the script can't run this command"
 
 
-def is_lock_value(value: str) -> bool:
-    """True for a value celery_redlock stores in a lock: a token (40 lowercase hex digits),
-    alone or followed by ``|`` and the owner text."""
-    return LOCK_VALUE.fullmatch(value) is not None
-
-
 class BadReply(Exception):
     """A reply no Redis server gives to that command: the node is broken, or not Redis."""
 
@@ -220,7 +214,7 @@ class LockReader:
     def scan(self, reads: NodeReads) -> list[str]:
         """Every lock key under the prefix on one node (SCAN on each of its servers)."""
         legacy = legacy_layout(self.redlock)
-        pattern = (keyspace.legacy_scan_pattern if legacy else keyspace.scan_pattern)(self.prefix)
+        pattern = keyspace.scan_pattern(self.prefix, legacy)
         found: set[str] = set()
         for server in reads.servers():
             cursor = "0"
@@ -233,7 +227,7 @@ class LockReader:
                     raise BadReply("SCAN", reply[0], "a cursor")
                 for key in (expect_text(key, "SCAN") for key in reply[1]):
                     if keyspace.is_lock_key(self.prefix, key) or (
-                        legacy and keyspace.is_legacy_lock_key(self.prefix, key)
+                        legacy and keyspace.legacy_resource_of(self.prefix, key) is not None
                     ):
                         found.add(key)
                 if cursor == "0":
@@ -329,7 +323,7 @@ def file_copy(read: NodeRead, key: str, value: Any, milliseconds: Any) -> None:
         raise BadReply("PTTL", milliseconds, "an integer of -2 or more")
     if milliseconds == -2:  # expired between the two commands
         return
-    if is_lock_value(stored):
+    if LOCK_VALUE.fullmatch(stored):
         read[0][key] = (stored, milliseconds)
     else:
         read[1][key] = NOT_A_LOCK_VALUE

@@ -112,17 +112,15 @@ def reap(
         reachable = len(reader.nodes) - len(read.unreachable)
         if reachable < reader.quorum:
             raise QuorumUnavailable("*", reachable, reader.quorum)
+        read_at = time.monotonic()
         watches = [
-            Watch(entry, entry.record.owner, pttls_holding(entry, entry, time.monotonic()))
-            if entry.record.owner is not None
-            else Watch(entry, Owner(id=None), {}, verdict=kept(NO_OWNER))
+            Watch(entry, entry.record.owner or Owner(id=None), pttls_holding(entry, entry, read_at))
             for entry in read.found
             if entry.record.held
         ]
         tasks = singleton_tasks(app)
         for watch in watches:
-            if watch.verdict is None:
-                watch.verdict = first_look(watch, tasks, check_local_processes)
+            watch.verdict = first_look(watch, tasks, check_local_processes)
         asking = [watch for watch in watches if watch.verdict is None]
         workers = inspect_workers(app, worker_node_names(watch.owner for watch in asking), timeout)
         for watch in asking:
@@ -143,9 +141,6 @@ def reap(
         return [results[key] for key in sorted(results)]
 
 
-NO_OWNER = "the stored value names no owner celery_redlock can read"
-
-
 def pttls_holding(
     entry: FoundLock, holding: FoundLock, read_at: float
 ) -> dict[int, tuple[int, float]]:
@@ -162,6 +157,8 @@ def first_look(
 ) -> Verdict | None:
     """The verdict that needs neither the workers nor watching, if any."""
     record, owner = watch.found.record, watch.owner
+    if record.owner is None:
+        return kept("the stored value names no owner celery_redlock can read")
     if owner.queued:
         return kept(
             "a claim taken when the call was queued (lock_on_enqueue): not extended; the run "

@@ -289,14 +289,7 @@ class LockListing:
 
     def to_json(self) -> dict[str, Any]:
         """The JSON form."""
-        return {
-            "locks": [record.to_json() for record in self.locks],
-            "minority": [record.to_json() for record in self.minority],
-            "reachable": self.reachable,
-            "nodes_total": self.nodes_total,
-            "quorum": self.quorum,
-            "unreachable": [node.to_json() for node in self.unreachable],
-        }
+        return {**as_json(self), "reachable": self.reachable}
 
 
 @dataclass(frozen=True)
@@ -313,12 +306,9 @@ class CallKey:
     def to_json(self) -> dict[str, Any]:
         """The JSON form (the arguments as given: they never reach Redis)."""
         return {
-            "task": self.task,
-            "args": list(self.args),
+            **as_json(self, "basis", "kwargs"),
             "kwargs": dict(self.kwargs),
             "locks_on": self.basis,
-            "resource": self.resource,
-            "key": self.key,
         }
 
 
@@ -361,18 +351,7 @@ class ReleaseResult:
 
     def to_json(self) -> dict[str, Any]:
         """The JSON form."""
-        return {
-            "key": self.key,
-            "resource": self.resource,
-            "found": self.found,
-            "lock": self.lock.to_json() if self.lock else None,
-            "deleted": len(self.deleted_on),
-            "deleted_on": list(self.deleted_on),
-            "still_present_on": list(self.still_present_on),
-            "nodes_total": self.nodes_total,
-            "unreachable": [node.to_json() for node in self.unreachable],
-            "refused": [refusal.to_json() for refusal in self.refused],
-        }
+        return {**as_json(self, "quorum"), "found": self.found, "deleted": len(self.deleted_on)}
 
     def refusal_lines(self) -> list[str]:
         """``"<key> is not a lock on <node>: <reason>"`` per refusal."""

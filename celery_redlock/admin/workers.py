@@ -26,10 +26,6 @@ class WorkerState:
     pid: int | None = None
     pool_processes: frozenset[int] = frozenset()
 
-    @property
-    def answers(self) -> bool:
-        return self.replies == 1
-
 
 def worker_node_name(owner: Owner | None) -> str | None:
     """The node name (``name@host``) to ask about ``owner``; None for a plain host name (solo
@@ -105,9 +101,9 @@ def with_worker_checks(app: Any, records: Sequence[LockRecord], timeout: float) 
         state = states.get(worker_node_name(record.owner) or "")
         if state is None:
             return record
-        active = None
-        if state.answers and state.running is not None and record.task_id is not None:
+        active, answers = None, state.replies == 1
+        if answers and state.running is not None and record.task_id is not None:
             active = record.task_id in state.running
-        return dataclasses.replace(record, worker_answers=state.answers, task_active=active)
+        return dataclasses.replace(record, worker_answers=answers, task_active=active)
 
     return [checked(record) for record in records]

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from ..errors import LockLost, RedlockError
 from .outcomes import Lock
-from .redlock import Redlock, drift, settings_of
+from .redlock import Redlock, drift
 
 logger = logging.getLogger(__name__)
 
@@ -163,7 +163,7 @@ class LockKeeper:
         now = time.monotonic()
         if kept.hard_deadline is not None:
             ttl = min(ttl, kept.hard_deadline - now)
-            if ttl - drift(self.redlock, ttl) - settings_of(self.redlock).node_timeout <= 0:
+            if ttl - drift(self.redlock, ttl) - self.redlock._settings.node_timeout <= 0:
                 # The run's hard time limit is reached: the lock expires with it.
                 kept.next_at = float("inf")
                 return False
@@ -184,7 +184,7 @@ class LockKeeper:
             )
             return False
         # No quorum answered yet: try again soon, while the lock is still valid.
-        kept.next_at = time.monotonic() + min(settings_of(self.redlock).retry_delay, remaining / 3)
+        kept.next_at = time.monotonic() + min(self.redlock._settings.retry_delay, remaining / 3)
         return False
 
     def _report_lost(self, kept: KeptLock) -> None:

@@ -75,24 +75,16 @@ def legacy_key(prefix: str, key: str) -> str | None:
     return prefix + resource + (RESERVATION_SUFFIX if key.endswith(RESERVATION_SUFFIX) else "")
 
 
-def is_legacy_lock_key(prefix: str, key: str) -> bool:
-    """True if ``key`` can be a 0.2-layout lock key (no braces) under ``prefix``: not a fencing
-    counter, completion marker or schedule record. Its value tells for sure."""
-    rest = key[len(prefix) :]
-    return (
-        key.startswith(prefix)
-        and bool(rest)
-        and not rest.startswith("{")
-        and not rest.startswith(LEGACY_RECORDS_PREFIX)
-        and not key.endswith((FENCE_SUFFIX, SCHEDULE_SUFFIX))
-    )
-
-
 def legacy_resource_of(prefix: str, key: str) -> str | None:
-    """The resource a 0.2-layout lock (or reservation) key locks, or None when it cannot be one."""
-    if not is_legacy_lock_key(prefix, key):
+    """The resource a 0.2-layout lock (or reservation) key locks, or None when ``key`` cannot be
+    one: no key under ``prefix`` without braces, or a fencing counter, completion marker or
+    schedule record. Its value tells for sure."""
+    rest = key[len(prefix) :]
+    if not key.startswith(prefix) or not rest or rest.startswith(("{", LEGACY_RECORDS_PREFIX)):
         return None
-    return key[len(prefix) :].removesuffix(RESERVATION_SUFFIX)
+    if key.endswith((FENCE_SUFFIX, SCHEDULE_SUFFIX)):
+        return None
+    return rest.removesuffix(RESERVATION_SUFFIX)
 
 
 def key_of_legacy(prefix: str, key: str) -> str | None:
@@ -104,16 +96,8 @@ def key_of_legacy(prefix: str, key: str) -> str | None:
     return reservation_key(current) if key.endswith(RESERVATION_SUFFIX) else current
 
 
-def scan_pattern(prefix: str) -> str:
-    """A ``SCAN MATCH`` pattern for every key under ``prefix`` that can be a lock key."""
-    return escaped_prefix(prefix) + "{*}*"
-
-
-def escaped_prefix(prefix: str) -> str:
-    """``prefix`` with the characters a ``SCAN MATCH`` pattern treats specially escaped."""
-    return "".join("\\" + char if char in "*?[]\\" else char for char in prefix)
-
-
-def legacy_scan_pattern(prefix: str) -> str:
-    """A ``SCAN MATCH`` pattern for every key under ``prefix`` (0.2 lock keys have no braces)."""
-    return escaped_prefix(prefix) + "*"
+def scan_pattern(prefix: str, legacy: bool = False) -> str:
+    """A ``SCAN MATCH`` pattern (``prefix`` escaped) for every key under ``prefix`` that can be a
+    lock key; with ``legacy``, every key under it (0.2 lock keys have no braces)."""
+    escaped = "".join("\\" + char if char in "*?[]\\" else char for char in prefix)
+    return escaped + ("*" if legacy else "{*}*")

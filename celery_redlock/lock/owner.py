@@ -15,7 +15,7 @@ import os
 import secrets
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 SEPARATOR = "|"
@@ -89,23 +89,12 @@ class Owner:
         task_id: str | None,
         retries: int = 0,
         nesting: int = 0,
-        worker: str | None = None,
-        queued: bool = False,
-        role: str | None = None,
+        **fields: Any,
     ) -> Owner:
-        """An owner in this process (host name and process id filled in), starting now."""
-        return cls(
-            id=task_id,
-            task=task,
-            retries=retries,
-            nesting=nesting,
-            host=socket.gethostname(),
-            pid=os.getpid(),
-            worker=worker,
-            since=round(time.time(), 3),
-            queued=queued,
-            role=role,
-        )
+        """An owner in this process (host name and process id filled in), starting now; the
+        other ``fields`` (``worker``, ``queued``, ``role``) by keyword."""
+        host, pid, since = socket.gethostname(), os.getpid(), round(time.time(), 3)
+        return cls(task_id, task, retries, nesting, host, pid, since=since, **fields)
 
     @property
     def attempt(self) -> tuple[int, int]:
@@ -157,18 +146,7 @@ class Owner:
 
     def to_json(self) -> dict[str, Any]:
         """The public fields as a JSON-ready dict (what signals and the admin API show)."""
-        return {
-            "task": self.task,
-            "id": self.id,
-            "retries": self.retries,
-            "nesting": self.nesting,
-            "host": self.host,
-            "pid": self.pid,
-            "worker": self.worker,
-            "since": self.since,
-            "queued": self.queued,
-            "role": self.role,
-        }
+        return {"task": self.task, **asdict(self)}  # "task" first, then the fields in order
 
 
 class RunOwnerTexts:

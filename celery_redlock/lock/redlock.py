@@ -16,7 +16,6 @@ import random
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, TypedDict
 
 from ..errors import ConfigurationError, LockNotAcquired, QuorumUnavailable
 from ..settings import RedlockSettings, check_seconds, even_node_warning, split_urls
@@ -39,23 +38,12 @@ from .outcomes import (
 from .owner import Tokens, lock_value
 from .replies import acquire_judge, copies_in, is_integer, judge_copy, judge_one, judge_zero_or_one
 
-if TYPE_CHECKING:
-    from typing import Unpack
-
 logger = logging.getLogger(__name__)
 
 FENCE_SUFFIX = keyspace.FENCE_SUFFIX  # kept for callers of 0.2
 DRIFT_CONSTANT_SECONDS = 0.002
 
 SPLIT_LONGEST_PAUSE = 1.0  # the cap of a waiter's random pause after split votes in a row
-
-
-class AcquireOptions(TypedDict, total=False):
-    """The keyword options of `Redlock.acquire` that `Redlock.lock` passes on."""
-
-    blocking: bool
-    timeout: float | None
-    owner: str
 
 
 def jittered(seconds: float) -> float:
@@ -132,9 +120,6 @@ class Redlock:
         if not self._holds_legacy:
             return key  # the scripts read the key itself as "none"
         return legacy_key_of(self, key) or key
-
-    def _drift(self, ttl: float) -> float:
-        return ttl * self._settings.clock_drift_factor + DRIFT_CONSTANT_SECONDS
 
     # -- acquiring ---------------------------------------------------------------------------
 
@@ -250,7 +235,7 @@ class Redlock:
             return Covered()
         fencing_token = self._agree_on_fencing_token(key, result, int(ttl * 1000))
         finished = time.monotonic()
-        validity = ttl - (finished - started) - self._drift(ttl)
+        validity = ttl - (finished - started) - drift(self, ttl)
         if fencing_token is not None and validity > 0:
             lock = Lock(
                 resource=acquisition.resource,
@@ -330,11 +315,18 @@ class Redlock:
         return outcome.lock if isinstance(outcome, Acquired) else None
 
     @contextmanager
-    def lock(self, resource: str, ttl: float, **options: Unpack[AcquireOptions]) -> Iterator[Lock]:
-        """Hold the lock on ``resource`` for the ``with`` block, taken as `acquire` takes it
-        (``blocking``, ``timeout`` and ``owner`` by keyword); release it on the way out. Raises
-        `LockNotAcquired` when someone else holds it."""
-        lock = self.acquire(resource, ttl, **options)
+    def lock(
+        self,
+        resource: str,
+        ttl: float,
+        *,
+        blocking: bool = False,
+        timeout: float | None = None,
+        owner: str = "",
+    ) -> Iterator[Lock]:
+        """Hold the lock on ``resource`` for the ``with`` block, taken as `acquire` takes it;
+        release it on the way out. Raises `LockNotAcquired` when someone else holds it."""
+        lock = self.acquire(resource, ttl, blocking, timeout, owner)
         if lock is None:
             raise LockNotAcquired(self.key_for(resource))
         try:
@@ -370,7 +362,7 @@ class Redlock:
             return False
         if result.successes < self.quorum or result.finished_at >= lock.valid_until:
             return False
-        lock.validity = ttl - (result.finished_at - started) - self._drift(ttl)
+        lock.validity = ttl - (result.finished_at - started) - drift(self, ttl)
         lock.valid_until = result.finished_at + lock.validity
         lock.ttl = ttl
         return lock.validity > 0
@@ -430,24 +422,19 @@ def from_settings(settings: RedlockSettings, node_timeout: float | None = None) 
     return redlock
 
 
-def settings_of(redlock: Redlock) -> RedlockSettings:
-    """The settings ``redlock`` was made with."""
-    return redlock._settings
-
-
 def drift(redlock: Redlock, ttl: float) -> float:
     """Seconds subtracted from the validity of a ``ttl``-second lock for clock drift."""
-    return redlock._drift(ttl)
+    return ttl * redlock._settings.clock_drift_factor + DRIFT_CONSTANT_SECONDS
 
 
 def check_ttl(redlock: Redlock, ttl: float, name: str = "ttl") -> None:
     """Raise `ConfigurationError` unless a ``ttl``-second lock can have positive validity."""
     check_seconds(name, ttl)
     node_timeout = redlock._settings.node_timeout
-    if ttl - redlock._drift(ttl) - node_timeout <= 0:
+    if ttl - drift(redlock, ttl) - node_timeout <= 0:
         raise ConfigurationError(
             f"{name}={ttl!r}s leaves no validity after the clock drift allowance "
-            f"({redlock._drift(ttl):.3f}s) and one node timeout ({node_timeout}s); "
+            f"({drift(redlock, ttl):.3f}s) and one node timeout ({node_timeout}s); "
             "use a ttl of at least a few tenths of a second"
         )
 

@@ -82,6 +82,9 @@ class Poller(Protocol):
 
     polling: bool  # while a reader polls: it flushes what was left to it once the poll ends
 
+    def connection_opened(self) -> None:
+        """A channel opened a new connection: a reader polling now must poll it as well."""
+
 
 class Slot:
     """Where the reply to one queued command goes. ``tag`` is the waiter's own mark (which node,
@@ -101,19 +104,12 @@ class Slot:
 
 class Channel:
     """One connection to ``endpoint`` for every thread of this process. ``greeting`` is sent first
-    on every new connection (script loads), its replies skipped. With ``poller``, commands
-    queued while it polls, behind replies owed, are left for it to write."""
+    on every new connection (script loads), its replies skipped. Commands queued while ``poller``
+    polls, behind replies owed, are left for it to write."""
 
-    def __init__(
-        self,
-        endpoint: Endpoint,
-        greeting: Sequence[bytes] = (),
-        on_connect: Callable[[], None] | None = None,
-        poller: Poller | None = None,
-    ) -> None:
+    def __init__(self, endpoint: Endpoint, greeting: Sequence[bytes], poller: Poller) -> None:
         self.endpoint = endpoint
         self.greeting = tuple(greeting)
-        self.on_connect = on_connect  # told of every new connection (a reader must poll it)
         self.poller = poller
         self.lock = threading.Lock()
         self.socket: Any = None
@@ -145,7 +141,6 @@ class Channel:
         Returns the slots that failed (other callers' too), answered with `NO_REPLY`."""
         queued = False
         generation = -1
-        leased: Any = None
         try:
             with self.lock:
                 now = time.monotonic()
@@ -179,8 +174,7 @@ class Channel:
                         for slot in slots:
                             slot.failure, slot.done = self.endpoint.last_error, True
                         return list(slots)
-                    if self.on_connect is not None:
-                        self.on_connect()
+                    self.poller.connection_opened()
                 self._last_used = now
                 generation = self.generation
                 queued = True  # from here on, an interruption leaves the order in doubt
@@ -188,35 +182,16 @@ class Channel:
                     slot.sent_at = now
                     slot.channel = self
                 pending.extend(slots)
-                outbox = self._outbox
-                outbox.append(payload)  # behind the greeting of a new connection, if any
+                self._outbox.append(payload)  # behind the greeting of a new connection, if any
                 if self._writing:
                     return []  # the thread writing now takes it along
-                poller = self.poller
-                if owed and poller is not None and poller.polling:
+                if owed and self.poller.polling:
                     return []  # the poller writes it when the next reply wakes it (`flush`)
-                self._writing = True
-                payload = b"".join(outbox) if len(outbox) > 1 else outbox[0]
-                outbox.clear()
-                sock = self.socket
-                self._users[sock] = self._users.get(sock, 0) + 1
-                leased = sock
-            return self._write_leased(sock, generation, payload)
+            return self.flush()
         except BaseException as error:
             if not queued:
                 raise
             return self._write_failed(generation, error)
-        finally:
-            if leased is not None:
-                with self.lock:  # inline: an interruption on a call's entry would skip it
-                    users = self._users[leased] - 1
-                    if users:
-                        self._users[leased] = users
-                    else:
-                        del self._users[leased]
-                        if leased is not self.socket:  # failed while this thread wrote to it
-                            with contextlib.suppress(OSError):
-                                leased.close()
 
     def flush(self) -> list[Slot]:
         """Write the commands left to the poller, unless a thread writes now (it takes them
@@ -237,7 +212,18 @@ class Channel:
                 leased = sock
                 payload = b"".join(outbox)
                 outbox.clear()
-            return self._write_leased(sock, generation, payload)
+            while True:
+                sock.sendall(payload)
+                with self.lock:
+                    if generation != self.generation:
+                        # The connection failed while this thread wrote: the writer role and the
+                        # outbox are the next connection's, whose own writer (if any) holds them.
+                        return []
+                    if not outbox:
+                        self._writing = False
+                        return []
+                    payload = b"".join(outbox)
+                    outbox.clear()
         except BaseException as error:
             if leased is None:
                 raise
@@ -253,21 +239,6 @@ class Channel:
                         if leased is not self.socket:  # failed while this thread wrote to it
                             with contextlib.suppress(OSError):
                                 leased.close()
-
-    def _write_leased(self, sock: Any, generation: int, payload: bytes) -> list[Slot]:
-        while True:
-            sock.sendall(payload)
-            with self.lock:
-                if generation != self.generation:
-                    # The connection failed while this thread wrote: the writer role and the
-                    # outbox are the next connection's, whose own writer (if any) holds them.
-                    return []
-                outbox = self._outbox
-                if not outbox:
-                    self._writing = False
-                    return []
-                payload = b"".join(outbox)
-                outbox.clear()
 
     def _write_failed(self, generation: int, error: BaseException) -> list[Slot]:
         """A write that failed, or a signal handler raising (a soft time limit, Ctrl-C) during
@@ -417,12 +388,7 @@ class Channel:
     def close(self) -> list[Slot]:
         """Close the connection; returns the slots still waiting, answered with `NO_REPLY`."""
         with self.lock:
-            slots = list(self._pending)
-            self._close_locked()
-        for slot in slots:
-            slot.failure = "the connection was closed"
-            slot.done = True
-        return slots
+            return self._fail_locked("the connection was closed", back_off=False)
 
     def _fail_locked(self, reason: object, back_off: bool = True) -> list[Slot]:
         slots = list(self._pending)

@@ -20,6 +20,7 @@ from .members import LockNode, Redirect
 from .resp import ErrorReply
 
 SLOTS = REDIS_CLUSTER_HASH_SLOTS
+NO_SLOT_MAP = "a CLUSTER SLOTS reply with no slots"
 
 
 class ClusterNode(LockNode):
@@ -41,11 +42,7 @@ class ClusterNode(LockNode):
 
     def endpoints(self) -> list[Endpoint]:
         self.locator.ensure(wait_for_the_look=True)
-        masters: dict[int, Endpoint] = {}
-        for endpoint in self._slots:
-            if endpoint is not None:
-                masters[id(endpoint)] = endpoint
-        return list(masters.values())
+        return list(dict.fromkeys(endpoint for endpoint in self._slots if endpoint is not None))
 
     def redirect(self, reply: ErrorReply, endpoint: Endpoint) -> Redirect | None:
         if reply.code not in ("MOVED", "ASK"):
@@ -82,17 +79,11 @@ class ClusterNode(LockNode):
         self._slots = first_answer(candidates, self._slot_map_of)
 
     def _slot_map_of(self, server: Endpoint) -> list[Endpoint | None]:
+        """The slot map ``server``'s ``CLUSTER SLOTS`` reply describes."""
         with server.client() as client:
             ranges = client.execute_command("CLUSTER SLOTS")
-        slots = self._slots_from(ranges, server)
-        if slots is None:
-            raise RedlockError("a CLUSTER SLOTS reply with no slots")
-        return slots
-
-    def _slots_from(self, ranges: object, asked: Endpoint) -> list[Endpoint | None] | None:
-        """The slot map a ``CLUSTER SLOTS`` reply describes, or None when it is not one."""
         if not isinstance(ranges, list) or not ranges:
-            return None
+            raise RedlockError(NO_SLOT_MAP)
         slots: list[Endpoint | None] = [None] * SLOTS
         for entry in ranges:
             try:
@@ -100,10 +91,10 @@ class ClusterNode(LockNode):
                 host = master[0].decode() if isinstance(master[0], bytes) else str(master[0])
                 port = int(master[1])
             except (TypeError, ValueError, IndexError, AttributeError):
-                return None
+                raise RedlockError(NO_SLOT_MAP) from None
             if not (0 <= start <= end < SLOTS):
-                return None
+                raise RedlockError(NO_SLOT_MAP)
             # An empty host means "the server you asked" (cluster-announce-hostname unset).
-            endpoint = self.servers.at(host or (asked.address or ("", 0))[0], port)
+            endpoint = self.servers.at(host or (server.address or ("", 0))[0], port)
             slots[start : end + 1] = [endpoint] * (end - start + 1)
         return slots

@@ -86,16 +86,12 @@ def describe_failure(reason: object, user: str | None = None) -> str:
     return f"NOPERM: the node's user lacks a permission ({text}); {ACL_HINT}"
 
 
-def _no_client_setinfo() -> dict[str, Any]:
-    """Connection arguments that turn off CLIENT SETINFO (spelled differently across redis-py)."""
-    try:
-        Connection(driver_info=None)  # redis-py 7 and later
-    except TypeError:
-        return {"lib_name": None, "lib_version": None}
-    return {"driver_info": None}
-
-
-_NO_CLIENT_SETINFO = _no_client_setinfo()
+# Connection arguments that turn off CLIENT SETINFO (spelled differently across redis-py).
+_NO_CLIENT_SETINFO: dict[str, Any] = {"driver_info": None}  # redis-py 7 and later
+try:
+    Connection(driver_info=None)
+except TypeError:
+    _NO_CLIENT_SETINFO = {"lib_name": None, "lib_version": None}
 
 
 class OwnPoolClient(redis.Redis):

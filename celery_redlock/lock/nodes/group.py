@@ -8,6 +8,7 @@ thread (`nodes.endpoint`).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import weakref
@@ -118,9 +119,10 @@ class NodeGroup:
             if endpoint is not None:
                 endpoint.forgive(encoded)
 
-    def listen_for_releases(self, channel: str) -> ReleaseListener:
-        """Subscriptions to ``channel`` (a lock key) on every member that is not backed off."""
-        return ReleaseListener(self, self.connections(), channel)
+    def listen_for_releases(self, channel: str) -> contextlib.closing[ReleaseListener]:
+        """Subscriptions to ``channel`` (a lock key) on every member that is not backed off, for
+        a ``with`` block."""
+        return contextlib.closing(ReleaseListener(self, self.connections(), channel))
 
 
 class ReleaseListener(Waiting):
@@ -156,12 +158,6 @@ class ReleaseListener(Waiting):
         if slot.tag == "message":
             self.notified = True
         self.satisfy()
-
-    def __enter__(self) -> ReleaseListener:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
 
     def close(self) -> None:
         """Drop the subscriptions."""

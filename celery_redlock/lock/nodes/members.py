@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import redis
-
 from .endpoint import Endpoint
 from .resp import ErrorReply
 
@@ -60,13 +58,6 @@ class LockNode:
     def notice_failure(self, endpoint: Endpoint) -> None:
         """Take note that ``endpoint`` did not answer (a cluster learns its slot map anew: a
         master that fails may have been replaced by its replica)."""
-
-    def client(self, timeout: float | None = None) -> redis.Redis:
-        """A plain redis-py client of the member's first server."""
-        endpoints = self.endpoints()
-        if not endpoints:
-            raise ConnectionError(f"lock node {self.name} has no reachable server yet")
-        return endpoints[0].client(timeout)
 
 
 class StandaloneNode(LockNode):

@@ -60,10 +60,6 @@ class Waiting:
             with contextlib.suppress(RuntimeError):  # woken already
                 self._wakeup.release()
 
-    def sleep(self, timeout: float) -> None:
-        """Sleep until woken or ``timeout`` seconds pass."""
-        self._wakeup.acquire(timeout=max(timeout, 0.0))
-
 
 class Reactor:
     """The reads of one process's connections (see the module docstring)."""
@@ -136,7 +132,7 @@ class Reactor:
                 if reading:
                     yield from self._read_until(waiting, deadline, answered)
                 else:
-                    waiting.sleep(deadline - now)
+                    waiting._wakeup.acquire(timeout=max(deadline - now, 0.0))  # until woken
         finally:
             if not left:
                 with self.lock:
@@ -145,15 +141,11 @@ class Reactor:
                     self._leave_locked(waiting)
 
     def _leave_locked(self, waiting: Waiting) -> None:
-        """Off the list, and the reading handed over if nobody reads (``waiting``'s thread may
-        have been woken to take it over)."""
+        """Off the list; with nobody reading, wake one waiting thread to take over the reading
+        (``waiting``'s may have been woken to; the one woken may find itself done and pass it on
+        in turn)."""
         waiting.asleep = False
         self._waiting.pop(waiting, None)
-        self._hand_over_locked()
-
-    def _hand_over_locked(self) -> None:
-        """With nobody reading, wake one waiting thread to take over (it may find itself done
-        and pass it on in turn)."""
         if self._reading:
             return
         for other in self._waiting:
@@ -227,7 +219,7 @@ class Connections:
                 channel = self.channels.get(id(endpoint))
                 if channel is None:
                     reactor = self.reactor
-                    channel = Channel(endpoint, SCRIPT_LOADS, reactor.connection_opened, reactor)
+                    channel = Channel(endpoint, SCRIPT_LOADS, reactor)
                     reactor.add_channel(channel, channel)
                     self.channels[id(endpoint)] = channel
         return channel

@@ -1,11 +1,17 @@
 """The Redis protocol (RESP2) on the wire: commands encoded once for every node, and replies
 parsed incrementally from whatever bytes have arrived, so that one read can carry the replies of
 many callers' pipelined commands. Replies are parsed by hiredis where it is installed (the
-``hiredis`` extra, as redis-py does; about 2 µs less per reply), else in Python."""
+``hiredis`` extra, as redis-py does; about 2 µs less per reply), else in Python.
+
+A parser (`ReplyParser`) turns the bytes read from one connection into replies, in order: `feed`
+adds bytes; `next_reply` returns the next complete reply, or `INCOMPLETE` when the bytes so far end
+inside one. Status replies are ``bytes`` (``b"OK"``), bulk strings ``bytes``, nil ``None``,
+integers ``int``, arrays ``list``, errors `ErrorReply`. It raises `ProtocolError` on bytes that
+are not RESP, and on a reply still incomplete after `REPLY_LIMIT` bytes."""
 
 from __future__ import annotations
 
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
 try:
     import hiredis
@@ -58,23 +64,6 @@ class ProtocolError(Exception):
 
 class NeedMore(Exception):
     """The buffer ends inside a reply (raised by the parser, never outside this module)."""
-
-
-class ReplyParser(Protocol):
-    """Turns the bytes read from one connection into replies, in order.
-
-    `feed` adds bytes; `next_reply` returns the next complete reply, or `INCOMPLETE` when the
-    bytes so far end inside one. Status replies are ``bytes`` (``b"OK"``), bulk strings
-    ``bytes``, nil ``None``, integers ``int``, arrays ``list``, errors `ErrorReply`. Raises
-    `ProtocolError` on bytes that are not RESP, and on a reply still incomplete after
-    `REPLY_LIMIT` bytes.
-    """
-
-    def feed(self, data: bytes) -> None:
-        """Add bytes read from the connection."""
-
-    def next_reply(self) -> Any:
-        """The next complete reply, or `INCOMPLETE`."""
 
 
 def new_reply_parser() -> ReplyParser:
@@ -131,14 +120,11 @@ class PythonReplyParser:
             return INCOMPLETE
         return reply
 
-    def _line(self, start: int) -> tuple[bytes, int]:
+    def _parse(self, start: int) -> tuple[Any, int]:
         end = self._buffer.find(b"\r\n", start)
         if end < 0:
             raise NeedMore
-        return bytes(self._buffer[start:end]), end + 2
-
-    def _parse(self, start: int) -> tuple[Any, int]:
-        line, position = self._line(start)
+        line, position = bytes(self._buffer[start:end]), end + 2
         if not line:
             raise ProtocolError("an empty reply line")
         kind, rest = line[:1], line[1:]
@@ -175,6 +161,9 @@ class PythonReplyParser:
             return int(text)
         except ValueError:
             raise ProtocolError(f"{text[:20]!r} is not a number") from None
+
+
+ReplyParser = HiredisReplyParser | PythonReplyParser
 
 
 class _Incomplete:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..scripts import Script
@@ -110,19 +110,17 @@ class RoundResult:
         )
 
 
+@dataclass(eq=False, slots=True)
 class NodeCall:
     """One member's part of a round: the slots of the commands sent to it (the script call,
     perhaps after ``ASKING`` and before ``WAIT``), and which of them carries the answer."""
 
-    __slots__ = ("alone", "endpoint", "index", "main", "replicas", "slots")
-
-    def __init__(self, index: int, endpoint: Endpoint, alone: bool = False) -> None:
-        self.index = index
-        self.endpoint = endpoint
-        self.alone = alone  # the script on its first key only (`Script.alone`)
-        self.slots: list[Slot] = []
-        self.main: Slot | None = None
-        self.replicas: Slot | None = None  # the WAIT reply, when the member waits for replicas
+    index: int
+    endpoint: Endpoint
+    alone: bool = False  # the script on its first key only (`Script.alone`)
+    slots: list[Slot] = field(default_factory=list)
+    main: Slot | None = None
+    replicas: Slot | None = None  # the WAIT reply, when the member waits for replicas
 
 
 class ScriptHeads:
@@ -164,8 +162,6 @@ class Round(Waiting):
         owed_until: float = 0.0,
         attended: bool = True,
     ) -> None:
-        """``owed_until``: for a clean-up, the monotonic time until which what it removes may
-        live; a member that does not answer it is owed it until then (`Endpoint.owe`)."""
         super().__init__()
         self.nodes = nodes = members.nodes
         self.node_timeout = members.node_timeout
@@ -178,7 +174,7 @@ class Round(Waiting):
         self.judge = judge
         self.every = every
         self.grants = grants  # a grant that must reach the replicas of members that wait for them
-        self.owed_until = owed_until
+        self.owed_until = owed_until  # a member that does not answer is owed it until then
         self.attended = attended
         # Scripts marked inline (releases), and every call nobody waits for, carry their source:
         # a NOSCRIPT that arrives after the round decided, or unattended, would go unanswered.
@@ -270,22 +266,16 @@ class Round(Waiting):
     ) -> None:
         call = NodeCall(index, endpoint, alone)
         waits = self.grants and node.wait_replicas
-        if asking or waits:
-            commands = [packed]
-            if asking:
-                commands.insert(0, pack_command("ASKING"))
-            if waits:
-                # Half the node timeout: WAIT holds up the replies of the whole (shared)
-                # connection while it waits, and its own reply must arrive within the round.
-                timeout_ms = max(1, int(self.node_timeout * 500))
-                commands.append(pack_command("WAIT", node.wait_replicas, timeout_ms))
-            call.slots = [Slot(self, call) for _ in commands]
-            call.main = call.slots[1 if asking else 0]
-            call.replicas = call.slots[-1] if waits else None
-            packed = b"".join(commands)
-        else:
-            call.main = Slot(self, call)
-            call.slots = [call.main]
+        commands = [pack_command("ASKING"), packed] if asking else [packed]
+        if waits:
+            # Half the node timeout: WAIT holds up the replies of the whole (shared)
+            # connection while it waits, and its own reply must arrive within the round.
+            timeout_ms = max(1, int(self.node_timeout * 500))
+            commands.append(pack_command("WAIT", node.wait_replicas, timeout_ms))
+        call.slots = [Slot(self, call) for _ in commands]
+        call.main = call.slots[1 if asking else 0]
+        call.replicas = call.slots[-1] if waits else None
+        packed = b"".join(commands)  # the command itself when alone
         self.calls[index] = call
         self.why_not[index] = None
         # A server owing a reply for longer than hung_after is hung: the command is not queued

@@ -18,10 +18,6 @@ from .locating import Locator, first_answer
 from .members import LockNode
 from .resp import ErrorReply
 
-MIN_OTHER_SENTINELS = 0
-"""How many other sentinels the answering sentinel must see beside itself for its master to count
-(redis-py's ``min_other_sentinels``, 0 by default there too)."""
-
 REFRESH_SECONDS = 1.0
 """How old the master's address may get before the sentinels are asked again (in the background).
 After a ``SENTINEL FAILOVER`` the old master keeps running, and answers writes as a master,
@@ -82,8 +78,8 @@ class SentinelNode(LockNode):
 def master_address(state: object) -> tuple[str, int]:
     """The address of the master a sentinel's ``SENTINEL MASTER`` reply (parsed by redis-py)
     describes, with redis-py's checks (``Sentinel.check_master_state``): one the sentinel sees
-    down or no longer as a master, or with fewer than `MIN_OTHER_SENTINELS` other sentinels, is
-    refused (`RedlockError`)."""
+    down or no longer as a master, or whose count of other sentinels is no count, is refused
+    (`RedlockError`)."""
     if not isinstance(state, dict):
         raise RedlockError(f"gave a reply no sentinel gives to SENTINEL MASTER: {state!r:.60}")
     if not state.get("is_master") or state.get("is_sdown") or state.get("is_odown"):
@@ -91,8 +87,8 @@ def master_address(state: object) -> tuple[str, int]:
             f"does not see {state.get('name')!r} up as a master ({state.get('flags')})"
         )
     others = state.get("num-other-sentinels")
-    if not isinstance(others, int) or others < MIN_OTHER_SENTINELS:
-        raise RedlockError(f"sees {others!r} other sentinels, fewer than {MIN_OTHER_SENTINELS}")
+    if not isinstance(others, int) or others < 0:  # redis-py's min_other_sentinels: 0
+        raise RedlockError(f"sees {others!r} other sentinels")
     host, port = state.get("ip"), state.get("port")
     if not isinstance(host, str) or not host or not isinstance(port, int) or not 0 < port < 65536:
         raise RedlockError(f"names no valid master address: {host!r}:{port!r}")

@@ -9,25 +9,19 @@ import ssl
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 from redis.exceptions import RedisError as RedisClientError
 
-from .channel import READ_SIZE, Slot
+from .channel import READ_SIZE, Slot, Waiter
 from .endpoint import Endpoint
 from .resp import INCOMPLETE, ProtocolError, new_reply_parser, pack_command
 
 
-class Listening(Protocol):
-    """A waiter of release notifications: told by a slot tagged ``"subscribed"`` (the server
-    confirmed a subscription), ``"message"`` (a release) or ``"lost"`` (the connection failed)."""
-
-    def deliver(self, slot: Slot) -> None:
-        """Take note of a notification (the reactor's lock is held)."""
-
-
 class Subscriber:
-    """The subscribed connection to one server, shared by every listener of this process."""
+    """The subscribed connection to one server, shared by every listener of this process. A
+    listener is told by a slot tagged ``"subscribed"`` (the server confirmed a subscription),
+    ``"message"`` (a release) or ``"lost"`` (the connection failed)."""
 
     def __init__(self, endpoint: Endpoint, on_connect: Callable[[], None]) -> None:
         self.endpoint = endpoint
@@ -35,7 +29,7 @@ class Subscriber:
         self.lock = threading.Lock()
         self.socket: Any = None
         self._parser = new_reply_parser()
-        self._listeners: dict[str, set[Listening]] = {}
+        self._listeners: dict[str, set[Waiter]] = {}
         self._confirmed: set[str] = set()
 
     def fileno(self) -> int:
@@ -43,7 +37,7 @@ class Subscriber:
         sock = self.socket
         return sock.fileno() if sock is not None else -1
 
-    def listen(self, channel: str, listener: Listening) -> bool:
+    def listen(self, channel: str, listener: Waiter) -> bool:
         """Have ``listener`` told of releases on ``channel``; False if the server cannot be
         reached (the listener then waits without notifications from it)."""
         with self.lock:
@@ -71,7 +65,7 @@ class Subscriber:
         failed: there is nothing left to wait for)."""
         return self.socket is None or channel in self._confirmed
 
-    def stop(self, channel: str, listener: Listening) -> None:
+    def stop(self, channel: str, listener: Waiter) -> None:
         """Stop telling ``listener`` of releases on ``channel``."""
         with self.lock:
             listeners = self._listeners.get(channel)
@@ -89,7 +83,7 @@ class Subscriber:
                     self._close_locked()
 
     def read(self, descriptor: int, told: list[Slot]) -> None:
-        """Read what arrived; add to ``told`` a slot per listener to tell (see `Listening`)."""
+        """Read what arrived; add to ``told`` a slot per listener to tell (see `Subscriber`)."""
         sock = self.socket
         if sock is None or sock.fileno() != descriptor:
             return
@@ -110,11 +104,10 @@ class Subscriber:
                 self._parser.feed(data)
                 while (message := self._parser.next_reply()) is not INCOMPLETE:
                     told += self._notifications(message)
-            except ProtocolError:
+            except BaseException as error:  # not RESP, or interrupted: what was read is in doubt
                 told += self._lose_locked()
-            except BaseException:
-                told += self._lose_locked()  # interrupted: what was read is in doubt
-                raise
+                if not isinstance(error, ProtocolError):
+                    raise
 
     def _notifications(self, message: Any) -> list[Slot]:
         if not isinstance(message, list) or len(message) != 3:
