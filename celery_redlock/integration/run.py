@@ -14,7 +14,7 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from celery import states
@@ -114,9 +114,13 @@ class Run:
         self.started = time.monotonic()
         self.kept: KeptLock | None = None
 
-    def execute(self, body: Callable[[], Any]) -> Any:
-        """Take the lock, run ``body``, release. A plain call that skipped a duplicate returns
-        None."""
+    def execute(
+        self, args: Sequence[Any], kwargs: dict[str, Any], body: Callable[[], Any] | None = None
+    ) -> Any:
+        """Take the lock, run ``body`` (default: the task's ``run(*args, **kwargs)``), release. A
+        plain call that skipped a duplicate returns None."""
+        if body is None:
+            run, body = self.task.run, lambda: run(*args, **kwargs)
         setattr(self.request, RUN_ATTRIBUTE, self)
         try:
             lock = self.take_lock()

@@ -118,15 +118,16 @@ class SingletonTask(Task):  # type: ignore[misc]
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         plan = self.lock_plan
         if not self.request.called_directly:
-            run = Run(self, plan, self.request, plan.recipe.resource(args, kwargs))
-            return run.execute(lambda: self.run(*args, **kwargs))
+            return Run(self, plan, self.request, plan.recipe.resource(args, kwargs)).execute(
+                args, kwargs
+            )
         # A plain function call: a request of its own holds the run (Celery's default request
         # is shared by threads), and Celery's own __call__ runs the body, which sees it.
         self.push_request(args=args, kwargs=kwargs)
         try:
             run = Run(self, plan, self.request, plan.recipe.resource(args, kwargs))
             body = super().__call__
-            return run.execute(lambda: body(*args, **kwargs))
+            return run.execute(args, kwargs, lambda: body(*args, **kwargs))
         finally:
             self.pop_request()
 
