@@ -70,9 +70,8 @@ class RedlockSettings:
         for url in self.urls:
             check_url(url)
         check_seconds("redlock_ttl", self.ttl)
-        check_boolean("redlock_auto_extend", self.auto_extend)
-        check_boolean("redlock_strict_settings", self.strict_settings)
-        check_boolean("redlock_legacy_layout", self.legacy_layout)
+        for name in ("auto_extend", "strict_settings", "legacy_layout"):
+            check_boolean(f"redlock_{name}", getattr(self, name))
         check_policy("redlock_on_duplicate", self.on_duplicate, DUPLICATE_POLICIES)
         check_policy("redlock_on_unavailable", self.on_unavailable, UNAVAILABLE_POLICIES)
         if self.unavailable_timeout is not None:
@@ -160,8 +159,7 @@ class RedlockSettings:
             if value is not _UNSET and (value is not None or field.name == "unavailable_timeout"):
                 values[field.name] = value
         values["urls"] = _lock_urls(values.get("urls"), conf.get("broker_url"))
-        if "completed_ttl" not in values:
-            values["completed_ttl"] = redelivery_window(conf.get("broker_transport_options"))
+        values.setdefault("completed_ttl", redelivery_window(conf.get("broker_transport_options")))
         settings = cls(**values)
         unknown = unknown_setting_messages(conf.keys(), getattr(conf, "prefix", None) or "")
         if unknown and settings.strict_settings:
@@ -281,11 +279,25 @@ def check_url(url: object) -> None:
         )
     parts = urlsplit(url)
     if parts.scheme in CLUSTER_SCHEMES + SENTINEL_SCHEMES:
-        _check_multi_host_url(url, parts.scheme)
-        return
-    if parts.scheme not in URL_SCHEMES:
+        cluster = parts.scheme in CLUSTER_SCHEMES
+        cluster_form = "redis+cluster://host:port[,host:port...]"
+        sentinel_form = "redis+sentinel://host:26379[,host:26379...]/<service name>[/<db>]"
+        form = cluster_form if cluster else sentinel_form
+        try:
+            path = MultiHostURL.parse(url).path.strip("/")
+        except ValueError as error:
+            raise _url_error(url, f"cannot be read ({error}); use {form}") from None
+        if cluster and path not in ("", "0"):
+            raise _url_error(
+                url, f"names a database; a Redis Cluster has only database 0: use {form}"
+            )
+        service, _, database = path.partition("/")
+        if not (service or cluster):  # a cluster's path is "" or "0" by now
+            raise _url_error(url, f"names no service; use {form}")
+        database = database or "0"
+    elif parts.scheme not in URL_SCHEMES:
         raise _url_error(url, f"is not a Redis URL (scheme {parts.scheme!r}); use {example}")
-    if parts.scheme == "unix":
+    elif parts.scheme == "unix":
         if not parts.path:
             raise _url_error(url, "names no socket path; use unix:///path/redis.sock")
         database = (parse_qs(parts.query).get("db") or ["0"])[0]
@@ -297,14 +309,6 @@ def check_url(url: object) -> None:
         except ValueError:
             raise _url_error(url, "has an invalid port; use redis://host:6379/0") from None
         database = parts.path.lstrip("/") or "0"
-    _check_database(url, database)
-
-
-def _url_error(url: str, problem: str) -> ConfigurationError:
-    return ConfigurationError(f"redlock_urls: lock node URL {redact_url(url)!r} {problem}")
-
-
-def _check_database(url: str, database: str) -> None:
     if not database.isdigit():
         raise _url_error(
             url,
@@ -313,25 +317,8 @@ def _check_database(url: str, database: str) -> None:
         )
 
 
-def _check_multi_host_url(url: str, scheme: str) -> None:
-    cluster_form = "redis+cluster://host:port[,host:port...]"
-    sentinel_form = "redis+sentinel://host:26379[,host:26379...]/<service name>[/<db>]"
-    cluster = scheme in CLUSTER_SCHEMES
-    try:
-        parts = MultiHostURL.parse(url)
-    except ValueError as error:
-        form = cluster_form if cluster else sentinel_form
-        raise _url_error(url, f"cannot be read ({error}); use {form}") from None
-    if cluster:
-        if parts.path.strip("/") not in ("", "0"):
-            raise _url_error(
-                url, f"names a database; a Redis Cluster has only database 0: use {cluster_form}"
-            )
-        return
-    service, _, database = parts.path.strip("/").partition("/")
-    if not service:
-        raise _url_error(url, f"names no service; use {sentinel_form}")
-    _check_database(url, database or "0")
+def _url_error(url: str, problem: str) -> ConfigurationError:
+    return ConfigurationError(f"redlock_urls: lock node URL {redact_url(url)!r} {problem}")
 
 
 def redact_url(url: str) -> str:
@@ -353,7 +340,6 @@ def redact_url(url: str) -> str:
 
 
 def has_password(url: str) -> bool:
-    """True if ``url`` carries a password (after ``user:`` or as a query option)."""
     return redact_url(url) != url
 
 
@@ -412,7 +398,6 @@ def _lock_urls(configured: object, broker_url: object) -> object:
 
 
 def even_node_warning(count: int) -> str | None:
-    """Why ``count`` lock nodes are a poor choice when the count is even, else None."""
     if count % 2:
         return None
     return (

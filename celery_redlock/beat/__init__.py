@@ -19,8 +19,6 @@ __all__ = ["SCHEDULE_SUFFIX", "EntryRecord", "LeaderMixin", "LeaderScheduler", "
 
 
 def __getattr__(name: str) -> Any:
-    """``LeaderDatabaseScheduler``, imported on first use; an `ImportError` naming the extra
-    to install where Django or django-celery-beat is missing."""
     if name != "LeaderDatabaseScheduler":
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     try:

@@ -1,8 +1,7 @@
 """django-celery-beat's ``DatabaseScheduler`` sending only while it holds the beat leader lease:
-``celery -A proj beat -S celery_redlock.beat:LeaderDatabaseScheduler`` (needs
-``pip install 'celery-redlock[django]'``; `celery_redlock.beat` loads this module on first use).
-The database holds the schedule and every entry's state for all beats; the lock nodes hold the
-leaders' records of the ticks they sent (`celery_redlock.beat.leadership`).
+``celery -A proj beat -S celery_redlock.beat:LeaderDatabaseScheduler``. The database holds the
+schedule and every entry's state for all beats; the lock nodes hold the leaders' records of the
+ticks they sent (`celery_redlock.beat.leadership`).
 """
 
 from __future__ import annotations
@@ -56,11 +55,10 @@ class LeaderDatabaseScheduler(LeaderMixin, DatabaseScheduler):  # type: ignore[m
         beat's last record of it: a row whose write failed (django-celery-beat logs a database
         error and drops it) is behind the tick sent, which would be due again."""
         schedule: dict[str, Any] = super().all_as_schedule()
-        if self.is_leader:
-            for name, entry in schedule.items():
-                record = self._leader_recorded.get(name)
-                if record is not None:
-                    self.adopt_entry_state(entry, record.last_run_at, record.total_run_count)
+        for name, entry in schedule.items():
+            record = self._leader_recorded.get(name) if self.is_leader else None
+            if record is not None:
+                self.adopt_entry_state(entry, record.last_run_at, record.total_run_count)
         return schedule
 
     def schedule_changed(self) -> bool:
@@ -103,7 +101,6 @@ class LeaderDatabaseScheduler(LeaderMixin, DatabaseScheduler):  # type: ignore[m
         return self.is_leader
 
     def sync(self) -> None:
-        """Write the state of the ticks sent, only while this beat holds the lease."""
         if self.is_leader:
             super().sync()
 

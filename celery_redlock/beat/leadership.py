@@ -53,7 +53,6 @@ class EntryRecord:
         return (self.term, self.fencing_token, self.sequence)
 
     def to_text(self) -> str:
-        """The record as stored on the lock nodes (compact JSON)."""
         return json.dumps(
             {
                 "last_run_at": self.last_run_at.isoformat(),
@@ -118,6 +117,9 @@ class LeaderMixin(Scheduler):  # type: ignore[misc]
         check_ttl(redlock, settings.beat_lease_ttl, name="redlock_beat_lease_ttl")
         self.lease_ttl = settings.beat_lease_ttl
         self.lease_name = settings.beat_lease_name
+        self.lease_key = redlock.key_for(self.lease_name)
+        self.schedule_records_key = keyspace.schedule_key(self.lease_key)
+        self.safety_margin = self.lease_ttl / 3  # the lease validity a leader needs left to send
         self.lease_redlock_settings = settings
         self._leader_redlock = redlock
         self._leader_lease: Lock | None = None
@@ -136,21 +138,6 @@ class LeaderMixin(Scheduler):  # type: ignore[misc]
         return self._leader_lease is not None
 
     @property
-    def lease_key(self) -> str:
-        """The Redis key of the lease on the lock nodes."""
-        return str(self._leader_redlock.key_for(self.lease_name))
-
-    @property
-    def schedule_records_key(self) -> str:
-        """The Redis key holding the leaders' records of the entries they sent."""
-        return keyspace.schedule_key(self.lease_key)
-
-    @property
-    def safety_margin(self) -> float:
-        """Seconds of lease validity a leader must have left to send a tick."""
-        return self.lease_ttl / 3
-
-    @property
     def follower_wait(self) -> float:
         """The longest one `tick` of a follower waits for the lease to free up."""
         return float(min(self.lease_ttl / 3, self.max_interval))
@@ -166,7 +153,7 @@ class LeaderMixin(Scheduler):  # type: ignore[misc]
         """One pass of beat: keep or seek the lease, and send due tasks only as the leader.
         Returns the seconds to sleep: for the leader never past its lease's next extension."""
         if self._leader_lease is not None and time.monotonic() >= self._leader_extend_at:
-            self._extend_lease()
+            self._extend_lease(self._leader_lease)
         if self._leader_lease is None:
             pause = self._seek_lease()
             if self._leader_lease is None:
@@ -178,7 +165,11 @@ class LeaderMixin(Scheduler):  # type: ignore[misc]
         """Advance ``entry`` and, as the leader, record the advance on the lock nodes; unless a
         majority stored it under this beat's lease, leadership is given up and nothing sent."""
         new_entry = super().reserve(entry)
-        self._leader_cleared = new_entry.name if self._record_sent(new_entry) else None
+        lease = self._lease_with_margin("before")
+        if lease is not None and not self._write_records(lease, [new_entry]):
+            self._lose(f"a majority of lock nodes did not record the tick of {new_entry.name!r}")
+            lease = None
+        self._leader_cleared = new_entry.name if lease is not None else None
         return new_entry
 
     def apply_entry(self, entry: Any, producer: Any = None) -> None:
@@ -205,14 +196,25 @@ class LeaderMixin(Scheduler):  # type: ignore[misc]
 
     def close(self) -> None:
         """Release the lease (a follower takes over at once), then close the scheduler."""
+        lease = self._leader_lease
+        self._leader_lease = None
+        self._leader_cleared = None
         try:
-            self._release_at_shutdown()
+            if lease is not None:
+                # close() runs in beat's SIGTERM handler, possibly in the middle of a round on
+                # this scheduler's own connections: release over connections of its own.
+                redlock = from_settings(self.lease_redlock_settings)
+                try:
+                    released = redlock.release(lease)
+                finally:
+                    redlock.close()
+                self._log(logging.INFO, "released", "" if released else " (it had already expired)")
+                self._leader_redlock.close()
         finally:
             super().close()
 
     @property
     def info(self) -> str:
-        """The scheduler's start-up description, with the lease."""
         nodes = len(self.lease_redlock_settings.urls)
         return (
             f"{super().info}\n    . leader lease -> {self.lease_key} "
@@ -256,12 +258,9 @@ class LeaderMixin(Scheduler):  # type: ignore[misc]
         self._leader_recorded = {}
         # Read once: a database-backed scheduler queries its database on every access.
         schedule = self.schedule
-        continued = 0
-        for name, entry in list(schedule.items()):
-            record = records.get(name)
-            if record is not None:
-                self.adopt_entry_state(entry, record.last_run_at, record.total_run_count)
-                continued += 1
+        continued = [(entry, records[name]) for name, entry in schedule.items() if name in records]
+        for entry, record in continued:
+            self.adopt_entry_state(entry, record.last_run_at, record.total_run_count)
         self._leader_lease = lease  # a shutdown during the write releases it
         if not self._write_records(lease, list(schedule.values())):
             self._leader_lease = None
@@ -276,14 +275,12 @@ class LeaderMixin(Scheduler):  # type: ignore[misc]
             " (ttl %gs, term %d); %d of %d entries continue from the last recorded tick",
             self.lease_ttl,
             self._leader_term,
-            continued,
+            len(continued),
             len(schedule),
         )
         return True
 
-    def _extend_lease(self) -> None:
-        lease = self._leader_lease
-        assert lease is not None
+    def _extend_lease(self, lease: Lock) -> None:
         try:
             extended = self._leader_redlock.extend(lease, self.lease_ttl)
         except RedlockError as error:
@@ -294,21 +291,7 @@ class LeaderMixin(Scheduler):  # type: ignore[misc]
             return
         self._leader_extend_at = time.monotonic() + lease.remaining() / 3
 
-    def _record_sent(self, entry: Any) -> bool:
-        """Record ``entry`` (just advanced) as sent; False if this beat may not send it."""
-        lease = self._leader_lease
-        if lease is None:
-            return False
-        if lease.remaining() <= self.safety_margin:
-            self._lose(f"only {lease.remaining():.3f}s of validity left before sending")
-            return False
-        if not self._write_records(lease, [entry]):
-            self._lose(f"a majority of lock nodes did not record the tick of {entry.name!r}")
-            return False
-        return True
-
     def _write_records(self, lease: Lock, entries: Iterable[Any]) -> bool:
-        """Store records of ``entries`` under ``lease``; True if a majority stored them."""
         arguments: list[str | int] = [lease.value]
         written: dict[str, EntryRecord] = {}
         for entry in entries:
@@ -338,13 +321,15 @@ class LeaderMixin(Scheduler):  # type: ignore[misc]
         return True
 
     def _may_send(self, entry: Any) -> bool:
+        return self._leader_cleared == entry.name and self._lease_with_margin("when") is not None
+
+    def _lease_with_margin(self, when: str) -> Lock | None:
+        """The lease, unless it has `safety_margin` of validity left or less: then it is lost."""
         lease = self._leader_lease
-        if lease is None or self._leader_cleared != entry.name:
-            return False
-        if lease.remaining() <= self.safety_margin:
-            self._lose(f"only {lease.remaining():.3f}s of validity left when sending")
-            return False
-        return True
+        if lease is not None and lease.remaining() <= self.safety_margin:
+            self._lose(f"only {lease.remaining():.3f}s of validity left {when} sending")
+            return None
+        return lease
 
     def _lose(self, reason: str) -> None:
         lease = self._leader_lease
@@ -359,22 +344,6 @@ class LeaderMixin(Scheduler):  # type: ignore[misc]
     def _give_up(self, lease: Lock, reason: str) -> None:
         self._log(logging.WARNING, "not taking office with", ": %s", reason)
         self._leader_redlock.release(lease)
-
-    def _release_at_shutdown(self) -> None:
-        lease = self._leader_lease
-        self._leader_lease = None
-        self._leader_cleared = None
-        if lease is None:
-            return
-        # close() runs in beat's SIGTERM handler, possibly in the middle of a round on this
-        # scheduler's own connections: release over connections of its own.
-        redlock = from_settings(self.lease_redlock_settings)
-        try:
-            released = redlock.release(lease)
-        finally:
-            redlock.close()
-        self._log(logging.INFO, "released", "" if released else " (it had already expired)")
-        self._leader_redlock.close()
 
     def _log(self, level: int, event: str, detail: str = "", *args: object) -> None:
         where = "beat leader: " + event + " lease %r on %s pid %d" + detail

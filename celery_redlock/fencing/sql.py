@@ -24,7 +24,7 @@ __all__ = ["FENCE_COLUMN", "fence_column", "fenced_update", "fenced_upsert"]
 FENCE_COLUMN = "fence"
 """The default name of the fence column."""
 
-INSERTS = {"postgresql": postgresql.insert, "sqlite": sqlite.insert}
+INSERTS: dict[str, Any] = {"postgresql": postgresql.insert, "sqlite": sqlite.insert}
 
 
 def fence_column(name: str = FENCE_COLUMN) -> Column[int]:
@@ -54,7 +54,13 @@ def fenced_upsert(
             f"fenced_upsert into {target.name} needs the key columns in values: {missing} "
             "missing (the row's key names the resource; pass key=... to use other columns)"
         )
-    insert = insert_for(connection)(target).values({**values, fence_name: token})
+    bind = connection.get_bind() if isinstance(connection, Session) else connection
+    if bind.dialect.name not in INSERTS:
+        raise ConfigurationError(
+            f"fenced_upsert runs on {' and '.join(sorted(INSERTS))}, not on {bind.dialect.name}: "
+            "use fenced_update, in a transaction that inserts the row first when it is missing"
+        )
+    insert = INSERTS[bind.dialect.name](target).values({**values, fence_name: token})
     statement = insert.on_conflict_do_update(
         index_elements=key_names,
         set_={
@@ -97,25 +103,12 @@ def fenced_update(
 
 
 def table_of(table: Table | type[Any]) -> Table:
-    """The `Table` itself, or the table an ORM model is mapped to."""
     if isinstance(table, Table):
         return table
     mapped = inspect_object(table).local_table
     if not isinstance(mapped, Table):
         raise ConfigurationError(f"{table!r} is mapped to {mapped!r}, not to one table")
     return mapped
-
-
-def insert_for(connection: Connection | Session) -> Any:
-    """The ``insert`` of the connection's dialect, with ``ON CONFLICT``."""
-    bind = connection.get_bind() if isinstance(connection, Session) else connection
-    name = bind.dialect.name
-    if name not in INSERTS:
-        raise ConfigurationError(
-            f"fenced_upsert runs on {' and '.join(sorted(INSERTS))}, not on {name}: use "
-            "fenced_update, in a transaction that inserts the row first when it is missing"
-        )
-    return INSERTS[name]
 
 
 def refuse(
@@ -133,7 +126,6 @@ def refuse(
 
 
 def readable(clause: ColumnElement[bool]) -> str:
-    """The clause with its values as SQL literals where they have that form."""
     try:
         return str(clause.compile(compile_kwargs={"literal_binds": True}))
     except Exception:  # a value without a literal form: its parameter's name will do
