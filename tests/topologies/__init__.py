@@ -1,8 +1,9 @@
 """The Redis topologies this repository's own tests and benchmarks run on, over the package's
 harness (`celery_redlock.testing`): Redis Cluster (`RedisCluster`, with failovers and
 step-by-step slot migrations, `SlotMigration`), Sentinel (`SentinelGroup` of `SentinelServer`s),
-TLS (`TLSCertificates`) and replicas (`TopologyServer`, a `RedisServer` with TLS, cluster and
-replica options). Not shipped: users' tests get `celery_redlock.testing` and the pytest plugin.
+TLS (`TLSCertificates`), replicas (`TopologyServer`, a `RedisServer` with TLS, cluster and
+replica options) and Valkey (`ValkeyServer`, `find_valkey_server`). Not shipped: users' tests
+get `celery_redlock.testing` and the pytest plugin.
 """
 
 from __future__ import annotations
@@ -12,15 +13,19 @@ from .sentinel import SentinelGroup, SentinelServer
 from .servers import CLUSTER_BUS_PORT_OFFSET, TopologyServer
 from .slot_migration import SlotMigration
 from .tls import TLSCertificates
+from .valkey import VALKEY_SERVER_ENVIRONMENT_VARIABLE, ValkeyServer, find_valkey_server
 
 __all__ = [
     "CLUSTER_BUS_PORT_OFFSET",
     "REDIS_CLI_ENVIRONMENT_VARIABLE",
+    "VALKEY_SERVER_ENVIRONMENT_VARIABLE",
     "RedisCluster",
     "SentinelGroup",
     "SentinelServer",
     "SlotMigration",
     "TLSCertificates",
     "TopologyServer",
+    "ValkeyServer",
     "find_redis_cli",
+    "find_valkey_server",
 ]
