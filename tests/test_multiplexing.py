@@ -49,7 +49,8 @@ import celery_redlock.lock.nodes
 from celery_redlock import Redlock
 from celery_redlock.errors import DuplicateSkipped
 from celery_redlock.lock import keyspace, scripts
-from celery_redlock.lock.nodes import NO_REPLY, Endpoint, NodeGroup, RoundResult, members_from_urls
+from celery_redlock.lock.nodes import Endpoint, NodeGroup, RoundResult, members_from_urls
+from celery_redlock.lock.nodes.channel import NO_REPLY
 from celery_redlock.lock.outcomes import Acquisition, Lock, Outcome
 from celery_redlock.lock.owner import Tokens, lock_value
 from celery_redlock.lock.replies import acquire_judge, judge_copy, judge_zero_or_one

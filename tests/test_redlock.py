@@ -14,7 +14,7 @@ import pytest
 from redlock_support import pttl_on, value_on, values_on, wait_until
 
 from celery_redlock import Lock, LockNotAcquired, QuorumUnavailable, Redlock
-from celery_redlock.lock.nodes import hung_after
+from celery_redlock.lock.nodes.channel import hung_after
 from celery_redlock.lock.redlock import Held, drift
 from celery_redlock.testing import RedisNodes, RedisServer
 

@@ -14,7 +14,7 @@ import pytest
 from redlock_support import Stopwatch, value_on, values_on, wait_until
 
 from celery_redlock import QuorumUnavailable, Redlock
-from celery_redlock.lock.nodes import FIRST_BACKOFF_SECONDS
+from celery_redlock.lock.nodes.endpoint import FIRST_BACKOFF_SECONDS
 
 NODE_TIMEOUT = 0.2  # large enough to tell "waited for a hung node" from "did not"
 

@@ -23,9 +23,9 @@ from reply_faults import FaultyProxy, GatedSocket, NoisySocket
 
 from celery_redlock import Redlock
 from celery_redlock.lock import keyspace, scripts
-from celery_redlock.lock.nodes import NO_REPLY, NodeGroup, RoundResult, members_from_urls
+from celery_redlock.lock.nodes import NodeGroup, RoundResult, members_from_urls
 from celery_redlock.lock.nodes import endpoint as endpoint_module
-from celery_redlock.lock.nodes.channel import Channel
+from celery_redlock.lock.nodes.channel import NO_REPLY, Channel
 from celery_redlock.lock.nodes.round import deliver
 from celery_redlock.lock.outcomes import Acquired
 from celery_redlock.lock.owner import Tokens

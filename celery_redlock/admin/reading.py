@@ -14,7 +14,7 @@ import re
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Generic, TypeVar
 from urllib.parse import urlsplit
 
@@ -157,7 +157,7 @@ class LockReader:
     def __init__(self, app: Any, timeout: float) -> None:
         self.timeout = timeout
         self.settings: RedlockSettings = AppRuntime.for_app(app).settings
-        self.redlock = from_settings(self.settings, node_timeout=timeout)
+        self.redlock = from_settings(replace(self.settings, node_timeout=timeout))
         self.nodes: list[LockNode] = self.redlock.nodes
         self.quorum = self.redlock.quorum
         self.prefix = self.settings.key_prefix
@@ -319,7 +319,7 @@ def file_copy(read: NodeRead, key: str, value: Any, milliseconds: Any) -> None:
     if value is None:
         return
     stored = expect_text(value, "GET")
-    if expect_integer(milliseconds, "PTTL") < -2:
+    if not isinstance(milliseconds, int) or isinstance(milliseconds, bool) or milliseconds < -2:
         raise BadReply("PTTL", milliseconds, "an integer of -2 or more")
     if milliseconds == -2:  # expired between the two commands
         return
@@ -382,9 +382,3 @@ def expect_text(reply: Any, command: str) -> str:
     if isinstance(reply, (bytes, str)):
         return text(reply)
     raise BadReply(command, reply, "a string")
-
-
-def expect_integer(reply: Any, command: str) -> int:
-    if isinstance(reply, int) and not isinstance(reply, bool):
-        return reply
-    raise BadReply(command, reply, "an integer")

@@ -53,9 +53,7 @@ def schedule_key(key: str) -> str:
 def is_lock_key(prefix: str, key: str) -> bool:
     """True if ``key`` is the key of a lock, or of a lock's reservation, under ``prefix`` (no
     other key ends the way these do)."""
-    return key.startswith(prefix + "{") and (
-        key.endswith("}") or key.endswith("}" + RESERVATION_SUFFIX)
-    )
+    return key.startswith(prefix + "{") and key.endswith(("}", "}" + RESERVATION_SUFFIX))
 
 
 def resource_of(prefix: str, key: str) -> str | None:

@@ -116,11 +116,8 @@ class Owner:
             return None
         try:
             fields = json.loads(text)
-        except ValueError:
-            return None
-        if not isinstance(fields, dict):
-            return None
-        try:
+            if not isinstance(fields, dict):
+                return None
             return cls(
                 id=_optional_text(fields.get("id")),
                 task=_optional_text(fields.get("task")),

@@ -9,7 +9,6 @@ node's reply is untrusted: one its script cannot return (`replies`) counts as no
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import random
@@ -350,8 +349,7 @@ class Redlock:
             return False
         keys = (lock.key, keyspace.fence_key(lock.key), self._with_legacy(lock.key))
         until = int((time.time() + lock.valid_until - started) * 1000)  # on the wall clock
-        value = lock_value(lock.token, lock.owner)
-        args = (value, max(1, int(ttl * 1000)), lock.fencing_token, until)
+        args = (lock.value, max(1, int(ttl * 1000)), lock.fencing_token, until)
         # Every node's reply is awaited (up to node_timeout): an extension still on its way to
         # a node when the holder releases there could set the key again after the release.
         result = self._group.run(
@@ -380,7 +378,7 @@ class Redlock:
         thread sends it later.
         """
         keys = [lock.key, keyspace.fence_key(lock.key), self._with_legacy(lock.key)]
-        arguments: list[str | int] = [lock_value(lock.token, lock.owner), max(0, int(hold * 1000))]
+        arguments: list[str | int] = [lock.value, max(0, int(hold * 1000))]
         if record is not None:
             keys.append(record.key)
             rank = scripts.RANK_FORMAT.format(*record.rank)
@@ -412,11 +410,9 @@ class Redlock:
 # -- helpers of other layers, kept beside the algorithm they use -----------------------------------
 
 
-def from_settings(settings: RedlockSettings, node_timeout: float | None = None) -> Redlock:
-    """The lock manager ``settings`` describe (optionally with another node timeout). Without the
-    even-node warning: a worker logs it once at start, ``celery redlock status`` reports it."""
-    if node_timeout is not None:
-        settings = dataclasses.replace(settings, node_timeout=node_timeout)
+def from_settings(settings: RedlockSettings) -> Redlock:
+    """The lock manager ``settings`` describe. Without the even-node warning: a worker logs it
+    once at start, ``celery redlock status`` reports it."""
     redlock = Redlock.__new__(Redlock)
     redlock._configure(settings)
     return redlock

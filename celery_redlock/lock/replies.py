@@ -53,7 +53,8 @@ def is_copy(reply: Any) -> bool:
 
 def copies_in(result: RoundResult) -> list[tuple[str, int]]:
     """``(stored value, pttl in ms)`` of each member whose reply in ``result`` is a copy."""
-    return [(text_of(reply[0]), int(reply[1])) for reply in result.replies if is_copy(reply)]
+    copies = [reply for reply in result.replies if is_copy(reply)]
+    return [(value.decode(errors="replace"), int(pttl)) for value, pttl in copies]
 
 
 def judge_copy(reply: Any) -> bool | None:
@@ -81,8 +82,3 @@ def acquire_judge(clock_microseconds: int, asks_record: bool) -> Judge:
 def judge_text(reply: Any) -> bool | None:
     """For scripts that read a stored text (the beat leader's records): any bulk string."""
     return True if isinstance(reply, bytes) else None
-
-
-def text_of(reply: bytes) -> str:
-    """A bulk string reply as text (bytes that are not UTF-8 replaced, never an error)."""
-    return reply.decode(errors="replace")

@@ -8,22 +8,18 @@ for), `round` (one script call on every member, judged as replies arrive) and `g
 
 from __future__ import annotations
 
-from .channel import NO_REPLY, hung_after
-from .endpoint import FIRST_BACKOFF_SECONDS, Endpoint, OwnPoolClient
+from .endpoint import Endpoint, OwnPoolClient
 from .group import NodeGroup
 from .members import LockNode
 from .round import Judge, RoundResult
 from .urls import members_from_urls
 
 __all__ = [
-    "FIRST_BACKOFF_SECONDS",
-    "NO_REPLY",
     "Endpoint",
     "Judge",
     "LockNode",
     "NodeGroup",
     "OwnPoolClient",
     "RoundResult",
-    "hung_after",
     "members_from_urls",
 ]

@@ -24,8 +24,7 @@ NO_SLOT_MAP = "a CLUSTER SLOTS reply with no slots"
 
 
 class ClusterNode(LockNode):
-    """A Redis Cluster, reached through ``seeds`` (the servers its URL lists), as one member of
-    the quorum; a grant counts once ``wait_replicas`` replicas of its master acknowledged it."""
+    """A Redis Cluster, reached through ``seeds`` (the servers its URL lists), as one member."""
 
     def __init__(self, url: str, seeds: list[Endpoint], wait_replicas: int = 0) -> None:
         self.name = redact_url(url)

@@ -104,40 +104,6 @@ class OwnPoolClient(redis.Redis):
         self.connection_pool.disconnect()
 
 
-def connection_options(
-    url: str, node_timeout: float, username: str | None = None, password: str | None = None
-) -> tuple[type[AbstractConnection], dict[str, Any]]:
-    """redis-py's connection class and keyword arguments for a ``redis://``, ``rediss://`` or
-    ``unix://`` URL: ``node_timeout`` for connecting and every read, no retries, RESP2, no
-    CLIENT SETINFO; ``username`` and ``password`` where the URL names no credentials."""
-    credentials = {} if has_credentials(url) else {"username": username, "password": password}
-    try:
-        pool = ConnectionPool.from_url(
-            url,
-            socket_timeout=node_timeout,
-            socket_connect_timeout=node_timeout,
-            retry=Retry(NoBackoff(), 0),
-            health_check_interval=0,
-            protocol=2,
-            **credentials,
-        )
-    except (ValueError, TypeError) as error:
-        raise ConfigurationError(
-            f"redlock_urls: cannot use lock node URL {redact_url(url)!r}: "
-            f"{str(error).rstrip('.')}; the form is redis://[user:password@]host:port/db"
-        ) from error
-    options: dict[str, Any] = dict(pool.connection_kwargs)
-    # No CLIENT SETINFO in the handshake: connecting to a hung server then costs nothing until
-    # the round's own command, which every server is waited for in parallel.
-    options.update(_NO_CLIENT_SETINFO)
-    # redis-py's own parser even where hiredis is installed: with hiredis, redis-py (8.1) takes
-    # the TLS session tickets a server sends after the handshake for unread replies when the
-    # handshake read nothing (no CLIENT SETINFO, no AUTH), and drops every new TLS connection
-    # of a pool ("Connection not ready"). The nodes layer's own connections parse with `resp`.
-    options["parser_class"] = _RESP2Parser
-    return pool.connection_class, options
-
-
 def _close_unwound_sockets(trace: TracebackType | None) -> None:
     """Close the sockets held by the frames an exception unwound (``trace``): nobody else can
     reach them any more."""
@@ -186,9 +152,35 @@ class Endpoint:
     def from_url(
         cls, url: str, node_timeout: float, username: str | None = None, password: str | None = None
     ) -> Endpoint:
-        """The server a ``redis://``, ``rediss://`` or ``unix://`` URL names."""
-        connection_class, options = connection_options(url, node_timeout, username, password)
-        return cls(redact_url(url), connection_class, options)
+        """The server a ``redis://``, ``rediss://`` or ``unix://`` URL names, reached with
+        ``node_timeout`` for connecting and every read, no retries, RESP2, no CLIENT SETINFO;
+        ``username`` and ``password`` where the URL names no credentials."""
+        credentials = {} if has_credentials(url) else {"username": username, "password": password}
+        try:
+            pool = ConnectionPool.from_url(
+                url,
+                socket_timeout=node_timeout,
+                socket_connect_timeout=node_timeout,
+                retry=Retry(NoBackoff(), 0),
+                health_check_interval=0,
+                protocol=2,
+                **credentials,
+            )
+        except (ValueError, TypeError) as error:
+            raise ConfigurationError(
+                f"redlock_urls: cannot use lock node URL {redact_url(url)!r}: "
+                f"{str(error).rstrip('.')}; the form is redis://[user:password@]host:port/db"
+            ) from error
+        options: dict[str, Any] = dict(pool.connection_kwargs)
+        # No CLIENT SETINFO in the handshake: connecting to a hung server then costs nothing
+        # until the round's own command, which every server is waited for in parallel.
+        options.update(_NO_CLIENT_SETINFO)
+        # redis-py's own parser even where hiredis is installed: with hiredis, redis-py (8.1) takes
+        # the TLS session tickets a server sends after the handshake for unread replies when the
+        # handshake read nothing (no CLIENT SETINFO, no AUTH), and drops every new TLS connection of
+        # a pool ("Connection not ready"). The nodes layer's own connections parse with `resp`.
+        options["parser_class"] = _RESP2Parser
+        return cls(redact_url(url), pool.connection_class, options)
 
     def at(self, host: str, port: int) -> Endpoint:
         """Another server with the same connection options (credentials, TLS, timeouts)."""
@@ -323,9 +315,7 @@ class Endpoint:
         if not (self._owed or self._paying):
             return  # nothing owed: the common case, with no lock taken
         deadline = time.monotonic() + 2 * max(self.timeout, PROBE_TIMEOUT_SECONDS)
-        while True:
-            if not (self._owed or self._paying):
-                return
+        while self._owed or self._paying:
             with self._debts():
                 owed = self._owed
                 for debt in [debt for debt in owed if value in debt[1]]:

@@ -67,8 +67,7 @@ class Locator:
         than an interval ago) and waits for it — at most until ``patience`` seconds after it
         started, or with ``wait_for_the_look`` until it ends (operators' commands)."""
         if not self.located:
-            if time.monotonic() - self._looked_at >= RELOCATE_INTERVAL_SECONDS:
-                self._start()
+            self.relocate()
             if self._looking_pid == os.getpid():
                 left = self._looked_at + self.patience - time.monotonic()
                 self._finished.wait(None if wait_for_the_look else max(left, 0.0))
@@ -82,12 +81,9 @@ class Locator:
 
     def relocate(self) -> None:
         """Look again in the background (unless a look is under way or was just made)."""
-        if time.monotonic() - self._looked_at >= RELOCATE_INTERVAL_SECONDS:
-            self._start()
-
-    def _start(self) -> None:
         pid = os.getpid()
-        if self._looking_pid == pid:
+        just_looked = time.monotonic() - self._looked_at < RELOCATE_INTERVAL_SECONDS
+        if self._looking_pid == pid or just_looked:
             return
         self._looking_pid = pid
         self._looked_at = time.monotonic()

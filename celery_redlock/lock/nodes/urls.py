@@ -22,40 +22,6 @@ from .members import LockNode, StandaloneNode
 from .sentinel import SentinelNode
 
 
-def member_from_url(
-    url: str,
-    node_timeout: float,
-    username: str | None = None,
-    password: str | None = None,
-    wait_replicas: int = 0,
-) -> LockNode:
-    """The member ``url`` names (a URL already checked by `celery_redlock.settings.check_url`):
-    a standalone server, a Redis Cluster or a Sentinel-managed master. ``username`` and
-    ``password`` apply where the URL names no credentials; ``wait_replicas`` to Cluster and
-    Sentinel members."""
-    scheme = url.partition("://")[0]
-    if scheme in CLUSTER_SCHEMES:
-        parts = MultiHostURL.parse(url)
-        seeds = [
-            Endpoint.from_url(parts.server_url(host, port), node_timeout, username, password)
-            for host, port in parts.hosts
-        ]
-        return ClusterNode(url, seeds, wait_replicas)
-    if scheme in SENTINEL_SCHEMES:
-        parts = MultiHostURL.parse(url)
-        service, _, database = parts.path.strip("/").partition("/")
-        sentinels = [
-            Endpoint.from_url(parts.server_url(host, port, sentinel=True), node_timeout)
-            for host, port in parts.hosts
-        ]
-        host, port = parts.hosts[0]
-        master = Endpoint.from_url(
-            parts.server_url(host, port, f"/{database or 0}"), node_timeout, username, password
-        )
-        return SentinelNode(url, sentinels, service, master, wait_replicas)
-    return StandaloneNode(Endpoint.from_url(url, node_timeout, username, password))
-
-
 def members_from_urls(
     urls: Sequence[str],
     node_timeout: float,
@@ -63,5 +29,30 @@ def members_from_urls(
     password: str | None = None,
     wait_replicas: int = 0,
 ) -> list[LockNode]:
-    """The members of a quorum, one per URL."""
-    return [member_from_url(url, node_timeout, username, password, wait_replicas) for url in urls]
+    """The members of a quorum, one per URL (each already checked by `settings.check_url`):
+    ``username`` and ``password`` apply where a URL names no credentials, ``wait_replicas`` to
+    Cluster and Sentinel members."""
+
+    def server(url: str) -> Endpoint:
+        return Endpoint.from_url(url, node_timeout, username, password)
+
+    members: list[LockNode] = []
+    for url in urls:
+        scheme = url.partition("://")[0]
+        if scheme in CLUSTER_SCHEMES:
+            parts = MultiHostURL.parse(url)
+            seeds = [server(parts.server_url(host, port)) for host, port in parts.hosts]
+            members.append(ClusterNode(url, seeds, wait_replicas))
+        elif scheme in SENTINEL_SCHEMES:
+            parts = MultiHostURL.parse(url)
+            service, _, database = parts.path.strip("/").partition("/")
+            sentinels = [
+                Endpoint.from_url(parts.server_url(host, port, sentinel=True), node_timeout)
+                for host, port in parts.hosts
+            ]
+            host, port = parts.hosts[0]
+            master = server(parts.server_url(host, port, f"/{database or 0}"))
+            members.append(SentinelNode(url, sentinels, service, master, wait_replicas))
+        else:
+            members.append(StandaloneNode(server(url)))
+    return members
