@@ -46,7 +46,7 @@ import redis
 from celery import signals as celery_signals
 
 from celery_redlock import signals as lock_signals
-from celery_redlock.integration.deferral import DEFERRED_HEADER
+from celery_redlock.integration.messages import DEFERRED_HEADER
 
 logger = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ from celery.utils import uuid
 
 from ..lock.outcomes import Acquired, Held, Lock, Unavailable
 from ..lock.owner import Owner
-from .deferral import DEFERRED_HEADER
 from .keys import as_delivered
+from .messages import DEFERRED_HEADER
 
 logger = logging.getLogger(__name__)
 

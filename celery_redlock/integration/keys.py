@@ -70,7 +70,7 @@ class TooDeep(ValueError):
 
 def _with_typed_keys(value: Any, depth: int = 0) -> Any:
     """``value`` with every dict whose keys are not all strings tagged, so that ``{1: "a"}`` and
-    ``{"1": "a"}`` (different calls under pickle or msgpack) differ; otherwise not copied.
+    ``{"1": "a"}`` (different calls under pickle or msgpack) differ.
     `TooDeep` past `MAX_NESTING` levels (a self-referencing list would recurse for ever)."""
     if isinstance(value, _SCALARS):
         return value
@@ -80,16 +80,11 @@ def _with_typed_keys(value: Any, depth: int = 0) -> Any:
     if isinstance(value, dict):
         items = [(key, _with_typed_keys(item, depth)) for key, item in value.items()]
         if all(isinstance(key, str) for key in value):
-            if all(item is value[key] for key, item in items):
-                return value
             return dict(items)
         pairs = [[canonical_json(key), item] for key, item in items]
         return {"$dict": sorted(pairs, key=lambda pair: pair[0])}
     if isinstance(value, (list, tuple)):
-        converted = [_with_typed_keys(item, depth) for item in value]
-        if all(new is old for new, old in zip(converted, value, strict=True)):
-            return value
-        return converted
+        return [_with_typed_keys(item, depth) for item in value]
     return value
 
 
@@ -130,12 +125,6 @@ def run_signature(task_class: type) -> inspect.Signature:
     return signature.replace(parameters=parameters)
 
 
-def template_fields(template: str) -> list[str]:
-    """The argument names a ``str.format`` template refers to (``"{a.b}"`` refers to ``a``)."""
-    parsed = string.Formatter().parse(template)
-    return [name.split(".", 1)[0].split("[", 1)[0] for _, name, _, _ in parsed if name is not None]
-
-
 def check_key_options(
     signature: inspect.Signature | None,
     lock_args: Sequence[str] | None,
@@ -164,7 +153,10 @@ def check_key_options(
                 "the task name alone"
             )
     if isinstance(lock_key, str):
-        fields = template_fields(lock_key)
+        parsed = string.Formatter().parse(lock_key)  # "{a.b}" refers to the argument a
+        fields = [
+            name.split(".", 1)[0].split("[", 1)[0] for _, name, _, _ in parsed if name is not None
+        ]
         unknown = [name for name in fields if name not in parameters or name.isdigit()]
         if unknown and not takes_any_keyword:
             raise ConfigurationError(

@@ -16,6 +16,10 @@ from typing import Any
 
 MESSAGE_HEADER = "celery_redlock_message"
 
+DEFERRED_HEADER = "celery_redlock_deferred"
+"""Message header of a run published again by this library (`run.Run.publish_again`): never
+de-duplicated at enqueue."""
+
 RECEIVED_FIELD = "celery_redlock_received"
 """The request field holding when the worker's main process received the message (``time.time()``,
 set by `process_loss.LockAwareRequest`), read as ``task.request.celery_redlock_received``."""

@@ -127,9 +127,7 @@ def check_class_options(task_class: type) -> None:
         # first argument; lock_key callables take the call's arguments only.
         options.lock_key = staticmethod(task_class.__dict__["lock_key"])
     lock_args = options.lock_args
-    if lock_args is not None and (
-        isinstance(lock_args, str) or not isinstance(lock_args, (list, tuple))
-    ):
+    if lock_args is not None and not isinstance(lock_args, (list, tuple)):
         raise ConfigurationError(
             f"lock_args of task {name!r} must be a tuple of parameter names "
             f"(e.g. lock_args=('account_id',)), got {lock_args!r}"

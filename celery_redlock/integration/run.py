@@ -31,9 +31,8 @@ from ..lock.redlock import jittered
 from ..lock.scripts import RANK_FORMAT
 from . import events
 from .coalesce import coalesce
-from .deferral import DEFERRED_HEADER, DeferralNotPublished
 from .events import WORKER_ATTRIBUTE, WorkerFacts
-from .messages import copy_may_come, message_field
+from .messages import DEFERRED_HEADER, copy_may_come, message_field
 from .plan import TaskPlan
 from .policy import Action, Situation, decide, relation_of
 
@@ -64,6 +63,16 @@ ACKS_LATE_PATIENCE = 10.0
 UNAVAILABLE_SINCE_HEADER = "celery_redlock_unavailable_since"
 """Message header: when a run first found no quorum (``redlock_unavailable_timeout`` counts
 from then, across deferrals)."""
+
+
+class DeferralNotPublished(Exception):
+    """The broker did not take a deferral or a retry; ``error`` says why. Handled by the run
+    itself (`Run.wait_instead`): it never reaches Celery or the caller."""
+
+    def __init__(self, why: str, error: BaseException) -> None:
+        super().__init__(f"{why}; publishing the deferral failed: {error!r}")
+        self.error = error
+
 
 # A body that ended in one of these ran: a redelivered copy of the same message must not run.
 # REJECTED is not among them: a rejected message may be queued again, and must then run.
