@@ -30,16 +30,21 @@ GONE = "gone"
 LEGACY_NOTE = "0.2 key layout: a celery-redlock 0.2 worker's lock; 0.3 workers treat it as held"
 
 
-def as_json(record: Any, *leave_out: str) -> dict[str, Any]:
-    """A record's fields in their order, as JSON: tuples as lists, records in their JSON form."""
+class JsonRecord:
+    """A record whose JSON form (`to_json`) is its fields in their order (`fields_json`): tuples
+    as lists, records in their JSON form."""
 
-    def shown(value: Any) -> Any:
-        if isinstance(value, tuple):
-            return [shown(item) for item in value]
-        return value.to_json() if hasattr(value, "to_json") else value
+    def to_json(self) -> dict[str, Any]:
+        return self.fields_json()
 
-    fields = dataclasses.fields(record)
-    return {f.name: shown(getattr(record, f.name)) for f in fields if f.name not in leave_out}
+    def fields_json(self, *leave_out: str) -> dict[str, Any]:
+        def shown(value: Any) -> Any:
+            if isinstance(value, tuple):
+                return [shown(item) for item in value]
+            return value.to_json() if hasattr(value, "to_json") else value
+
+        fields = dataclasses.fields(self)  # type: ignore[arg-type]
+        return {f.name: shown(getattr(self, f.name)) for f in fields if f.name not in leave_out}
 
 
 def names_by_warning(named: Iterable[tuple[str, Iterable[str]]]) -> dict[str, list[str]]:
@@ -52,19 +57,15 @@ def names_by_warning(named: Iterable[tuple[str, Iterable[str]]]) -> dict[str, li
 
 
 @dataclass(frozen=True)
-class NodeError:
+class NodeError(JsonRecord):
     """A lock node that did not answer (or gave replies no Redis server gives), and why."""
 
     node: str
     error: str
 
-    def to_json(self) -> dict[str, str]:
-        """``{"node": ..., "error": ...}``."""
-        return as_json(self)
-
 
 @dataclass(frozen=True)
-class NodeStatus:
+class NodeStatus(JsonRecord):
     """What one lock node told about itself; None where it could not be learnt (``error`` says
     why it is unreachable, ``could_not_read`` what an ACL or a managed service refused).
     ``warnings`` name settings that weaken the lock's safety, with the fix; ``servers`` holds a
@@ -107,11 +108,11 @@ class NodeStatus:
 
     def to_json(self) -> dict[str, Any]:
         """The JSON form (``run_id`` only serves to find duplicate nodes and is left out)."""
-        return as_json(self, "run_id")
+        return self.fields_json("run_id")
 
 
 @dataclass(frozen=True)
-class StatusReport:
+class StatusReport(JsonRecord):
     """Every lock node's status, and ``warnings`` about the group (node count, duplicates, nodes
     down). ``largest_lock_ttl``: how long a crashed node without ``appendfsync always`` must
     stay down (the longest ttl or ``lock_hold``)."""
@@ -123,12 +124,10 @@ class StatusReport:
 
     @property
     def reachable(self) -> int:
-        """How many nodes answered."""
         return sum(status.reachable for status in self.nodes)
 
     @property
     def nodes_total(self) -> int:
-        """How many nodes are configured."""
         return len(self.nodes)
 
     @property
@@ -153,7 +152,6 @@ class StatusReport:
         return lines + list(self.warnings)
 
     def to_json(self) -> dict[str, Any]:
-        """The JSON form."""
         return {
             "nodes": [status.to_json() for status in self.nodes],
             "configured": len(self.nodes),
@@ -166,7 +164,7 @@ class StatusReport:
 
 
 @dataclass(frozen=True)
-class LockRecord:
+class LockRecord(JsonRecord):
     """One lock key as seen across the nodes, token left out.
 
     ``held`` when one value is on a majority of nodes, ``owner`` saying who (None: unreadable);
@@ -195,7 +193,6 @@ class LockRecord:
 
     @property
     def task_id(self) -> str | None:
-        """The holder's task id."""
         return self.owner.id if self.owner else None
 
     @property
@@ -205,12 +202,10 @@ class LockRecord:
 
     @property
     def host(self) -> str | None:
-        """The host the holder ran on."""
         return self.owner.host if self.owner else None
 
     @property
     def pid(self) -> int | None:
-        """The holder's process id on its host."""
         return self.owner.pid if self.owner else None
 
     @property
@@ -267,7 +262,7 @@ class LockRecord:
 
 
 @dataclass(frozen=True)
-class LockListing:
+class LockListing(JsonRecord):
     """``locks`` held by a majority, ``minority`` leftovers, and the nodes that did not answer;
     nothing about held locks is certain without ``has_quorum``."""
 
@@ -279,7 +274,6 @@ class LockListing:
 
     @property
     def reachable(self) -> int:
-        """How many nodes answered."""
         return self.nodes_total - len(self.unreachable)
 
     @property
@@ -288,12 +282,11 @@ class LockListing:
         return self.reachable >= self.quorum
 
     def to_json(self) -> dict[str, Any]:
-        """The JSON form."""
-        return {**as_json(self), "reachable": self.reachable}
+        return {**self.fields_json(), "reachable": self.reachable}
 
 
 @dataclass(frozen=True)
-class CallKey:
+class CallKey(JsonRecord):
     """The lock a call takes: ``key``, ``resource`` (without the prefix), ``basis`` (in words)."""
 
     task: str
@@ -306,26 +299,22 @@ class CallKey:
     def to_json(self) -> dict[str, Any]:
         """The JSON form (the arguments as given: they never reach Redis)."""
         return {
-            **as_json(self, "basis", "kwargs"),
+            **self.fields_json("basis", "kwargs"),
             "kwargs": dict(self.kwargs),
             "locks_on": self.basis,
         }
 
 
 @dataclass(frozen=True)
-class Refusal:
+class Refusal(JsonRecord):
     """A node where the key is not a lock, and why: `force_release` leaves it alone there."""
 
     node: str
     reason: str
 
-    def to_json(self) -> dict[str, str]:
-        """``{"node": ..., "reason": ...}``."""
-        return as_json(self)
-
 
 @dataclass(frozen=True)
-class ReleaseResult:
+class ReleaseResult(JsonRecord):
     """What `force_release` did: the lock found (None: none), the nodes it was deleted on, those
     still holding a copy, and those where the key is not a lock (``refused``: left alone)."""
 
@@ -350,8 +339,7 @@ class ReleaseResult:
         return self.nodes_total - len(self.unreachable) >= self.quorum
 
     def to_json(self) -> dict[str, Any]:
-        """The JSON form."""
-        return {**as_json(self, "quorum"), "found": self.found, "deleted": len(self.deleted_on)}
+        return {**self.fields_json("quorum"), "found": self.found, "deleted": len(self.deleted_on)}
 
     def refusal_lines(self) -> list[str]:
         """``"<key> is not a lock on <node>: <reason>"`` per refusal."""
@@ -362,7 +350,7 @@ class ReleaseResult:
 
 
 @dataclass(frozen=True)
-class ReapResult:
+class ReapResult(JsonRecord):
     """What `reap` decided about one held lock: ``action`` (`FREED`, `WOULD_FREE`, `KEPT`,
     `GONE`), ``proof`` (a ``PROOF_*`` when the holder was proven gone), ``reason`` in words, and
     ``nodes_freed``, the nodes that confirmed the deletion."""
@@ -372,10 +360,6 @@ class ReapResult:
     proof: str | None
     reason: str
     nodes_freed: int = 0
-
-    def to_json(self) -> dict[str, Any]:
-        """The JSON form."""
-        return as_json(self)
 
 
 class UnknownTask(RedlockError, LookupError):
