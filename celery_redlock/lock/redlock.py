@@ -15,6 +15,7 @@ import random
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import TYPE_CHECKING, TypedDict
 
 from ..errors import ConfigurationError, LockNotAcquired, QuorumUnavailable
 from ..settings import RedlockSettings, check_seconds, even_node_warning, split_urls
@@ -37,12 +38,23 @@ from .outcomes import (
 from .owner import Tokens, lock_value
 from .replies import acquire_judge, copies_in, is_integer, judge_copy, judge_one, judge_zero_or_one
 
+if TYPE_CHECKING:
+    from typing import Unpack
+
 logger = logging.getLogger(__name__)
 
 FENCE_SUFFIX = keyspace.FENCE_SUFFIX  # kept for callers of 0.2
 DRIFT_CONSTANT_SECONDS = 0.002
 
 SPLIT_LONGEST_PAUSE = 1.0  # the cap of a waiter's random pause after split votes in a row
+
+
+class AcquireOptions(TypedDict, total=False):
+    """The keyword options of `Redlock.acquire` that `Redlock.lock` passes on."""
+
+    blocking: bool
+    timeout: float | None
+    owner: str
 
 
 def jittered(seconds: float) -> float:
@@ -314,18 +326,11 @@ class Redlock:
         return outcome.lock if isinstance(outcome, Acquired) else None
 
     @contextmanager
-    def lock(
-        self,
-        resource: str,
-        ttl: float,
-        *,
-        blocking: bool = False,
-        timeout: float | None = None,
-        owner: str = "",
-    ) -> Iterator[Lock]:
-        """Hold the lock on ``resource`` for the ``with`` block, taken as `acquire` takes it;
-        release it on the way out. Raises `LockNotAcquired` when someone else holds it."""
-        lock = self.acquire(resource, ttl, blocking, timeout, owner)
+    def lock(self, resource: str, ttl: float, **options: Unpack[AcquireOptions]) -> Iterator[Lock]:
+        """Hold the lock on ``resource`` for the ``with`` block, taken as `acquire` takes it
+        (``blocking``, ``timeout`` and ``owner`` by keyword); release it on the way out. Raises
+        `LockNotAcquired` when someone else holds it."""
+        lock = self.acquire(resource, ttl, **options)
         if lock is None:
             raise LockNotAcquired(self.key_for(resource))
         try:
@@ -349,7 +354,8 @@ class Redlock:
             return False
         keys = (lock.key, keyspace.fence_key(lock.key), self._with_legacy(lock.key))
         until = int((time.time() + lock.valid_until - started) * 1000)  # on the wall clock
-        args = (lock.value, max(1, int(ttl * 1000)), lock.fencing_token, until)
+        value = lock_value(lock.token, lock.owner)
+        args = (value, max(1, int(ttl * 1000)), lock.fencing_token, until)
         # Every node's reply is awaited (up to node_timeout): an extension still on its way to
         # a node when the holder releases there could set the key again after the release.
         result = self._group.run(
@@ -378,7 +384,7 @@ class Redlock:
         thread sends it later.
         """
         keys = [lock.key, keyspace.fence_key(lock.key), self._with_legacy(lock.key)]
-        arguments: list[str | int] = [lock.value, max(0, int(hold * 1000))]
+        arguments: list[str | int] = [lock_value(lock.token, lock.owner), max(0, int(hold * 1000))]
         if record is not None:
             keys.append(record.key)
             rank = scripts.RANK_FORMAT.format(*record.rank)
