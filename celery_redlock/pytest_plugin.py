@@ -209,10 +209,19 @@ def redlock_celery_app(
 ) -> Iterator[Celery]:
     """The app under test (the ``redlock_celery_app`` setting, else a blank app), configured
     with ``redlock_celery_config`` and current for the test; restored afterwards."""
+    from celery.app.utils import find_app
     from celery.contrib.testing.app import setup_default_app
 
     path = str(request.config.getini(APP_OPTION)).strip()
-    app = _load_app(path) if path else request.getfixturevalue("_redlock_default_app")
+    if not path:
+        app = request.getfixturevalue("_redlock_default_app")
+    else:
+        try:
+            app = find_app(path)
+        except Exception as error:
+            raise pytest.UsageError(
+                f"{APP_OPTION} = {path!r} cannot be loaded the way `celery -A` loads it: {error!r}"
+            ) from error
     # An embedded worker must leave pytest's logging (caplog, live logs) alone.
     settings = {"worker_hijack_root_logger": False, **redlock_celery_config}
     with pytest.MonkeyPatch.context() as monkeypatch, setup_default_app(app):
@@ -224,18 +233,6 @@ def redlock_celery_app(
         with _kept_runtime(app, _redlock_kept_runtimes):
             app.set_current()
             yield app
-
-
-def _load_app(path: str) -> Celery:
-    from celery.app.utils import find_app
-
-    try:
-        app: Celery = find_app(path)
-    except Exception as error:
-        raise pytest.UsageError(
-            f"{APP_OPTION} = {path!r} cannot be loaded the way `celery -A` loads it: {error!r}"
-        ) from error
-    return app
 
 
 @contextlib.contextmanager

@@ -205,13 +205,9 @@ class Run:
                 raise LockNotAcquired(self.lock.key, self.holder_text(outcome))
             if action is Action.SKIP:
                 self.report_duplicate("skip", holder)
-                self.log(
-                    logging.INFO,
-                    "skipped: lock %s is held by %s",
-                    self.lock.key,
-                    self.holder_text(outcome),
-                )
-                raise self.skip(DuplicateSkipped(self.lock.key, self.holder_text(outcome)))
+                text = self.holder_text(outcome)
+                self.log(logging.INFO, "skipped: lock %s is held by %s", self.lock.key, text)
+                raise self.skip(DuplicateSkipped(self.lock.key, text))
             if action is Action.WAIT:
                 outcome = self.wait(outcome, relation, holder)
                 may_wait = False
