@@ -185,9 +185,10 @@ class Nemeses:
         if group is None:
             raise ValueError("the failover nemesis needs --topology sentinel")
         while self._sleep(rng.uniform(2.0, 5.0)):
+            self.schedule.log("failover", group.service_name, "SENTINEL FAILOVER")
             try:
                 new = group.failover(timeout=20)
             except RuntimeError as error:  # the sentinels were still busy with the last one
-                self.schedule.log("failover", group.service_name, f"not done: {error}")
+                self.schedule.log("failover", group.service_name, f"end: not done: {error}")
                 continue
             self.schedule.log("failover", group.service_name, f"end: master {new.address}")

@@ -80,6 +80,13 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--ttl", default="0.5,2.0", help="ttl range in seconds: LOW,HIGH")
     parser.add_argument("--node-timeout", type=float, default=0.05)
     parser.add_argument(
+        "--long-holds",
+        type=float,
+        default=0.02,
+        help="the share of holds kept for two to five ttls, extended every third of the ttl as "
+        "the keeper extends a running task's lock",
+    )
+    parser.add_argument(
         "--interrupt-every",
         type=float,
         default=0.0,
@@ -221,6 +228,7 @@ def run(
         interrupt=arguments.interrupt.split(",") if exception else [],
         fault_scope=arguments.fault_scope,
         interrupt_every=arguments.interrupt_every or 2000.0,
+        long_holds=arguments.long_holds,
     )
     config_path = directory / "config.json"
     config_path.write_text(json.dumps(dataclasses.asdict(config)))
@@ -355,15 +363,9 @@ def around(history: Sequence[Record], violation: Violation, seconds: float = 0.5
 def reproduce_command(arguments: argparse.Namespace) -> str:
     words = ["nox", "-s", "robustness", "--", "--minutes", str(arguments.minutes)]
     words += ["--seed", str(arguments.seed), "--nemesis", ",".join(arguments.nemeses) or "none"]
-    options = ("topology", "nodes", "replicas", "wait_replicas", "processes", "threads", "keys")
-    for option in (
-        *options,
-        "node_timeout",
-        "interrupt_every",
-        "interrupt",
-        "fault_scope",
-        "cut_every",
-    ):
+    options = ["topology", "nodes", "replicas", "wait_replicas", "processes", "threads", "keys"]
+    options += ["long_holds", "node_timeout", "interrupt_every", "interrupt", "fault_scope"]
+    for option in [*options, "cut_every"]:
         default = parse([]).__dict__[option]
         value = getattr(arguments, option)
         if value != default:

@@ -39,9 +39,6 @@ PACKAGE_DIRECTORY = str(Path(celery_redlock.__file__).parent)
 FRESH_LINE_CHANCE = 0.05
 """The exception nemesis's chance to raise at a line of the library where it never raised."""
 
-LONG_HOLDS = 0.05
-"""The share of holds kept for two to five ttls, extended as a running task's lock is."""
-
 STUCK_AFTER = 20.0
 """Seconds past the run's end after which a client counts as stuck: it prints every thread's
 stack and exits with status 1."""
@@ -69,7 +66,8 @@ class Config:
     postgresql: str
     interrupt: list[str]  # "signal", "trace"
     fault_scope: str  # trace faults only in package files under this path[:function]
-    interrupt_every: float  # lines (trace) or seconds (signal) between faults, on average
+    interrupt_every: float  # lines (trace) or microseconds (signal) between faults, on average
+    long_holds: float  # the share of holds kept for 2-5 ttls, extended as a task's lock is
 
     @classmethod
     def read(cls, path: str) -> Config:
@@ -129,10 +127,11 @@ class Faults:
     def _line(self, frame: FrameType, event: str, argument: Any) -> Any:
         if event != "line" or not self.armed:
             return self._line
-        # Every line of the library gets its turn soon (rarely run ones too: a reconnect's),
-        # then faults come at random lines.
+        # Every line gets its turn soon (rarely run ones too: a reconnect's), then faults come
+        # at random lines; in one function, each line in turn.
         location = (frame.f_code, frame.f_lineno)
-        fresh = location not in self.faulted and self.rng.random() < FRESH_LINE_CHANCE
+        chance = 1.0 if self.function else FRESH_LINE_CHANCE
+        fresh = location not in self.faulted and self.rng.random() < chance
         if fresh or self.rng.random() * self.every < 1:
             self.faulted.add(location)
             self.injected += 1
@@ -237,7 +236,7 @@ class Client:
     def hold(self, lock: Lock) -> None:
         token = token_hash(lock.token)
         draw = self.rng.random()
-        if draw < LONG_HOLDS:
+        if draw < self.config.long_holds:
             self.hold_long(lock, token, self.rng.uniform(2 * lock.ttl, 5 * lock.ttl))
         else:
             # Mostly short holds, some longer, a few for most of the validity; some extended.
