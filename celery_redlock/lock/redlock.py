@@ -13,12 +13,13 @@ import logging
 import math
 import random
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, TypedDict
 
 from ..errors import ConfigurationError, LockNotAcquired, QuorumUnavailable
-from ..settings import RedlockSettings, check_seconds, even_node_warning, split_urls
+from ..settings import RedlockSettings, check_seconds, even_node_warning, renamed_value, split_urls
 from . import keyspace, scripts
 from .nodes import Judge, LockNode, NodeGroup, RoundResult, members_from_urls
 from .nodes.cluster import ClusterNode
@@ -69,8 +70,10 @@ class Redlock:
     and are reopened after a fork. ``urls`` (a list, or one comma-separated string) takes
     ``redis://``, ``rediss://``, ``unix://``, ``redis+cluster://`` and ``redis+sentinel://``
     URLs (`nodes.urls`); ``username`` and ``password`` apply to every URL without credentials.
-    ``legacy_layout=False`` stops holding locks at their 0.2-layout keys too (README: Upgrading
-    from 0.2). Invalid arguments raise `ConfigurationError` saying how to fix them.
+    ``compat_0_2`` (default True): also take and hold each lock at its 0.2-layout key, so that
+    celery-redlock 0.2 workers on the same nodes are excluded; False once none runs (README:
+    Upgrading from 0.2), and no 0.2-layout key is read or written. ``legacy_layout`` is its
+    deprecated name. Invalid arguments raise `ConfigurationError` saying how to fix them.
     """
 
     def __init__(
@@ -83,8 +86,17 @@ class Redlock:
         key_prefix: str = RedlockSettings.key_prefix,
         username: str | None = None,
         password: str | None = None,
-        legacy_layout: bool = RedlockSettings.legacy_layout,
+        compat_0_2: bool | None = None,
+        *,
+        legacy_layout: bool | None = None,
     ) -> None:
+        if legacy_layout is not None:
+            warnings.warn(
+                "Redlock(legacy_layout=...) is deprecated: pass compat_0_2=... (the same option)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            compat_0_2 = renamed_value("compat_0_2", compat_0_2, "legacy_layout", legacy_layout)
         settings = RedlockSettings(
             urls=split_urls(urls),  # type: ignore[arg-type]  # checked by RedlockSettings
             retry_count=retry_count,
@@ -94,7 +106,7 @@ class Redlock:
             key_prefix=key_prefix,
             username=username,
             password=password,
-            legacy_layout=legacy_layout,
+            compat_0_2=RedlockSettings.compat_0_2 if compat_0_2 is None else compat_0_2,
         )
         self._configure(settings)
         warning = even_node_warning(len(self._group.nodes))
@@ -114,7 +126,7 @@ class Redlock:
         self.quorum = self._group.quorum
         # 0.2 had no cluster nodes, and a script's keys must share a cluster node's hash slot.
         self._legacy_layout = not any(isinstance(node, ClusterNode) for node in members)
-        self._holds_legacy = self._legacy_layout and settings.legacy_layout
+        self._holds_legacy = self._legacy_layout and settings.compat_0_2
         self._checked_ttl: float | None = None
         self._tokens = Tokens()
 
