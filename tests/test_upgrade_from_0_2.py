@@ -167,12 +167,14 @@ def test_with_the_0_2_layout_off_locks_live_at_their_key_of_today_alone(three: R
     try:
         outcome = manager.attempt("proj.tasks.sync:off", 10.0)
         assert isinstance(outcome, Acquired), outcome
+        assert manager.holder_of("proj.tasks.sync:off") is not None  # today's lock, not 0.2's
         lock = manager.acquire("proj.tasks.report:off", 10.0)
         assert lock is not None
         assert values_on(three, PREFIX + "proj.tasks.report:off") == [None] * 3
         assert manager.extend(lock, 30.0)
         assert manager.release(lock)
         assert manager.release(outcome.lock)
+        assert manager.holder_of("proj.tasks.sync:off") is None  # the 0.2 lock is not held
         assert values_on(three, old) == [value] * 3  # the 0.2 lock, untouched
     finally:
         manager.close()
@@ -240,6 +242,31 @@ def test_with_the_0_2_copy_off_no_0_2_layout_key_is_read_or_written(three: Redis
         assert f"DEL {legacy}" in written, written
     finally:
         on.close()
+
+
+def test_holder_of_names_a_0_2_lock_held_on_a_majority(three: RedisNodes, redlock: Redlock) -> None:
+    """Issue 39: where only the 0.2-layout key is held (a 0.2 worker's lock), `holder_of` names
+    its holder as `attempt` does (it said nobody); on a minority it is no lock."""
+    resource = "proj.tasks.sync:holder"
+    lock_as_0_2(three.servers[:2], PREFIX + resource, legacy_value("proj.tasks.sync", "id-0.2"))
+    attempted = redlock.attempt(resource, 10.0)
+    assert isinstance(attempted, Held), attempted
+    holder = redlock.holder_of(resource)
+    assert holder is not None and json.loads(holder.holder)["id"] == "id-0.2"
+    assert holder.holder == attempted.holder and 0 < holder.expires_in <= 60
+
+    # A lock of today's layout comes first, as it does for an acquisition.
+    ours = lock_value("d" * 40, "a worker of today")
+    for server in three.servers[:2]:
+        with server.client(socket_timeout=2) as client:
+            client.set(redlock.key_for(resource), ours, px=10_000)
+    today = redlock.holder_of(resource)
+    assert today is not None and today.holder == "a worker of today"
+    delete(three, redlock.key_for(resource))
+
+    delete(three.servers[1:2], PREFIX + resource)
+    assert redlock.holder_of(resource) is None
+    assert isinstance(redlock.attempt(resource, 10.0), Acquired)
 
 
 def test_the_old_name_of_the_setting_still_works_with_a_warning(

@@ -302,18 +302,20 @@ class Redlock:
 
     def holder_of(self, resource: str) -> Held | None:
         """Who holds the lock on ``resource`` now, when a majority of nodes agrees on one, without
-        taking it; None when nobody does. Raises `QuorumUnavailable` without a quorum."""
+        taking it; None when nobody does. With ``compat_0_2``, a 0.2 worker's lock counts, as it
+        does for `attempt`. Raises `QuorumUnavailable` without a quorum."""
         return self._holder_at(self.key_for(resource))
 
     def _holder_at(self, key: str) -> Held | None:
-        result = self._group.run(scripts.READ, (key,), (), judge_copy)
+        keys = (key, self._with_legacy(key))
+        result = self._group.run(scripts.READ, keys, (), judge_copy)
         if result.answered < self.quorum:
             raise self._unavailable(key, result)
         copies = copies_in(result)
         if not copies_agree(copies, self.quorum):
             # The first copies to arrive disagree (a node that lost the lock, one that kept a
             # leftover): only every node's copy can tell whether a majority agrees.
-            everyone = self._group.run(scripts.READ, (key,), (), judge_copy, every=True)
+            everyone = self._group.run(scripts.READ, keys, (), judge_copy, every=True)
             if everyone.answered >= self.quorum:
                 copies = copies_in(everyone)
         return majority_holder(copies, self.quorum)

@@ -263,8 +263,24 @@ return released
     alone=True,
 )
 
-# KEYS[1] lock key. Returns {current value or '', its pttl in ms}: who holds it, without taking it.
-READ = Script("read", _CALL + "return {call('GET', KEYS[1]) or '', call('PTTL', KEYS[1])}")
+# KEYS[1] lock key, KEYS[2] (optional) its 0.2-layout key (KEYS[1] again: none). Returns {current
+# value or '', its pttl in ms}: who holds it, without taking it; when the lock key is empty, the
+# lock value at the 0.2-layout key and its pttl, as ACQUIRE finds it in the way.
+READ = Script(
+    "read",
+    _CALL
+    + _IS_LOCK_VALUE
+    + """
+local value = call('GET', KEYS[1])
+if not value and KEYS[2] and KEYS[2] ~= KEYS[1] then
+    local old = redis.pcall('GET', KEYS[2])
+    if is_lock_value(old) then
+        return {old, call('PTTL', KEYS[2])}
+    end
+end
+return {value or '', call('PTTL', KEYS[1])}
+""",
+)
 
 # KEYS[1] lock key (checked by the caller: `keyspace.is_lock_key`), KEYS[2] (optional) its
 # 0.2-layout key. Operators' forced release: deletes it (and its 0.2 copy) whoever holds it, and
