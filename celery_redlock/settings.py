@@ -11,7 +11,7 @@ import math
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import parse_qs, parse_qsl, urlencode, urlsplit
 
 from .errors import ConfigurationError
@@ -26,6 +26,8 @@ _UNSET = object()
 SETTING_PREFIX = "redlock_"
 
 logger = logging.getLogger(__name__)
+
+Value = TypeVar("Value")
 
 
 @dataclass(frozen=True, repr=False)
@@ -48,7 +50,7 @@ class RedlockSettings:
     username: str | None = None  # redlock_username, for nodes whose URL names no user
     password: str | None = None  # redlock_password, for nodes whose URL has no password
     wait_replicas: int = 0  # redlock_wait_replicas (Cluster and Sentinel nodes)
-    legacy_layout: bool = True  # redlock_legacy_layout: locks held at their 0.2 keys too
+    compat_0_2: bool = True  # redlock_compat_0_2: locks held at their 0.2-layout keys too
     beat_lease_ttl: float = 30.0  # redlock_beat_lease_ttl (celery_redlock.beat)
     beat_lease_name: str = "celery-beat-leader"  # redlock_beat_lease_name
     reap_interval: float | None = None  # redlock_reap_interval; None: workers do not reap
@@ -70,7 +72,7 @@ class RedlockSettings:
         for url in self.urls:
             check_url(url)
         check_seconds("redlock_ttl", self.ttl)
-        for name in ("auto_extend", "strict_settings", "legacy_layout"):
+        for name in ("auto_extend", "strict_settings", "compat_0_2"):
             check_boolean(f"redlock_{name}", getattr(self, name))
         check_policy("redlock_on_duplicate", self.on_duplicate, DUPLICATE_POLICIES)
         check_policy("redlock_on_unavailable", self.on_unavailable, UNAVAILABLE_POLICIES)
@@ -151,17 +153,33 @@ class RedlockSettings:
     @classmethod
     def from_conf(cls, conf: Any) -> RedlockSettings:
         """Read and validate the settings from a Celery ``app.conf``; log a warning per unknown
-        ``redlock_*`` name (a `ConfigurationError` with ``redlock_strict_settings``)."""
+        ``redlock_*`` name (a `ConfigurationError` with ``redlock_strict_settings``) and per
+        deprecated name (`DEPRECATED_SETTINGS`), which counts as its new name."""
         values: dict[str, Any] = {}
         for field in fields(cls):
             value = conf.get(f"{SETTING_PREFIX}{field.name}", _UNSET)
             # None means "not set", except for the one setting where it means "for ever".
             if value is not _UNSET and (value is not None or field.name == "unavailable_timeout"):
                 values[field.name] = value
+        namespace = getattr(conf, "prefix", None) or ""
+        for old, new in DEPRECATED_SETTINGS:
+            old_value = conf.get(f"{SETTING_PREFIX}{old}")
+            if old_value is None:
+                continue
+            old_name, new_name = (
+                as_written(f"{SETTING_PREFIX}{name}", namespace) for name in (old, new)
+            )
+            check_boolean(old_name, old_value)
+            logger.warning(
+                "%s is deprecated: name it %s (the same setting); the old name will go",
+                old_name,
+                new_name,
+            )
+            values[new] = renamed_value(new_name, values.get(new), old_name, old_value)
         values["urls"] = _lock_urls(values.get("urls"), conf.get("broker_url"))
         values.setdefault("completed_ttl", redelivery_window(conf.get("broker_transport_options")))
         settings = cls(**values)
-        unknown = unknown_setting_messages(conf.keys(), getattr(conf, "prefix", None) or "")
+        unknown = unknown_setting_messages(conf.keys(), namespace)
         if unknown and settings.strict_settings:
             raise ConfigurationError(
                 "; ".join(unknown) + " (redlock_strict_settings is on: fix or remove the name)"
@@ -182,7 +200,29 @@ def redelivery_window(transport_options: Any) -> float:
 
 
 SETTING_NAMES = tuple(f"{SETTING_PREFIX}{field.name}" for field in fields(RedlockSettings))
-"""Every setting celery_redlock reads, as spelled in ``app.conf``."""
+"""Every setting celery_redlock reads, as spelled in ``app.conf`` (deprecated names aside)."""
+
+DEPRECATED_SETTINGS = (("legacy_layout", "compat_0_2"),)
+"""Old names (without ``redlock_``) of boolean settings, still read, each with the field that
+replaced it."""
+
+
+def renamed_value(new_name: str, new_value: Value | None, old_name: str, old_value: Value) -> Value:
+    """The value of a setting given under its deprecated name ``old_name`` (``old_value``) and
+    perhaps under ``new_name`` too (``new_value``, None when not given); raises
+    `ConfigurationError` when both are given and differ."""
+    if new_value is not None and new_value != old_value:
+        raise ConfigurationError(
+            f"{old_name} (deprecated) and {new_name} are one setting, set to {old_value!r} and "
+            f"{new_value!r}: remove {old_name}"
+        )
+    return old_value
+
+
+def as_written(setting: str, namespace: str = "") -> str:
+    """``setting`` as a user writes it: ``CELERY_REDLOCK_URLS`` under Django's ``CELERY_``
+    namespace, ``redlock_urls`` without one."""
+    return namespace + setting.upper() if namespace else setting
 
 
 def closest_name(name: str, known: Iterable[str], cutoff: float = 0.6) -> str | None:
@@ -201,15 +241,16 @@ def unknown_setting_messages(names: Iterable[str], namespace: str = "") -> list[
         if namespace and not namespaced and not name.islower():
             continue
         setting = (name[len(namespace) :] if namespaced else name).lower()
-        if not setting.startswith(SETTING_PREFIX) or (
-            setting in SETTING_NAMES and (namespaced or name == setting)
-        ):
+        known = setting in SETTING_NAMES or any(
+            setting == SETTING_PREFIX + old for old, _ in DEPRECATED_SETTINGS
+        )
+        if not setting.startswith(SETTING_PREFIX) or (known and (namespaced or name == setting)):
             continue
         match = closest_name(setting, SETTING_NAMES)
         if match is None:
             hint = "README's Settings lists the known ones"
         else:
-            hint = f"did you mean {namespace + match.upper() if namespaced else match}?"
+            hint = f"did you mean {as_written(match, namespace if namespaced else '')}?"
         messages.append(f"celery_redlock knows no setting {name} ({hint})")
     return messages
 

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import secrets
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable
-from typing import Protocol
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, Protocol
 
 import kombu
 import pytest
@@ -97,6 +98,37 @@ def pttl_on(server: RedisServer, key: str) -> int:
 def pttls_on(servers: Iterable[RedisServer], key: str) -> list[int]:
     """PTTL of ``key`` on each server, in order."""
     return [pttl_on(server, key) for server in servers]
+
+
+@contextlib.contextmanager
+def commands_seen(servers: Sequence[RedisServer]) -> Iterator[list[list[dict[str, Any]]]]:
+    """``with commands_seen(servers) as seen:`` MONITORs each server for the block; on exit
+    ``seen[i]`` holds every command server ``i`` ran meanwhile, as redis-py's ``Monitor`` parses
+    them (``client_type`` is ``"lua"`` for a script's own commands; ``command`` is the command
+    and its arguments, joined by spaces). The end is an ``ECHO`` of a marker, read back in order:
+    no waiting."""
+    seen: list[list[dict[str, Any]]] = [[] for _ in servers]
+    with contextlib.ExitStack() as stack:
+        monitors = [
+            stack.enter_context(stack.enter_context(server.client(socket_timeout=5)).monitor())
+            for server in servers
+        ]
+        yield seen
+        marker = f"end-of-monitoring-{secrets.token_hex(8)}"
+        for server, monitor, commands in zip(servers, monitors, seen, strict=True):
+            with server.client(socket_timeout=5) as client:
+                client.echo(marker)
+            while (command := monitor.next_command())["command"] != f"ECHO {marker}":
+                commands.append(command)
+
+
+def script_commands(commands: Iterable[dict[str, Any]]) -> list[str]:
+    """The names of the commands scripts ran, in order (``["GET", "SET", ...]``)."""
+    return [
+        command["command"].split(" ")[0].upper()
+        for command in commands
+        if command["client_type"] == "lua"
+    ]
 
 
 class Stopwatch:

@@ -406,6 +406,7 @@ BAD_SETTINGS = [
     pytest.param({"redlock_ttl": 0}, "redlock_ttl", id="ttl-zero"),
     pytest.param({"redlock_ttl": -1.5}, "redlock_ttl", id="ttl-negative"),
     pytest.param({"redlock_auto_extend": "yes"}, "redlock_auto_extend", id="auto_extend"),
+    pytest.param({"redlock_compat_0_2": "no"}, "redlock_compat_0_2", id="compat_0_2"),
     pytest.param({"redlock_legacy_layout": "no"}, "redlock_legacy_layout", id="legacy_layout"),
     pytest.param({"redlock_urls": []}, "redlock_urls", id="urls-empty"),
 ]
@@ -447,6 +448,11 @@ def test_unknown_setting_names_get_the_closest_known_name() -> None:
     assert unknown_setting_messages(["redlock_zzzzzzzz"]) == [
         "celery_redlock knows no setting redlock_zzzzzzzz (README's Settings lists the known ones)"
     ]
+    # A deprecated name is known (read, with its own warning), and never suggested.
+    assert unknown_setting_messages(["redlock_legacy_layout", "redlock_compat_02"]) == [
+        "celery_redlock knows no setting redlock_compat_02 (did you mean redlock_compat_0_2?)"
+    ]
+    assert unknown_setting_messages(["CELERY_REDLOCK_LEGACY_LAYOUT"], "CELERY_") == []
 
 
 def test_unknown_settings_warn_or_with_strict_settings_refuse(
@@ -488,6 +494,37 @@ def test_unknown_settings_in_django_namespace_name_the_namespaced_setting(
         "celery_redlock knows no setting CELERY_REDLOCK_URL (did you mean CELERY_REDLOCK_URLS?) "
         "(redlock_strict_settings is on: fix or remove the name)"
     )
+
+
+def test_the_0_2_copy_setting_under_django_names_both_spellings(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    class DjangoSettings:
+        CELERY_BROKER_URL = "redis://127.0.0.1:1/0"
+        CELERY_REDLOCK_COMPAT_0_2 = False
+
+    app = Celery("django_compat", set_as_current=False)
+    app.config_from_object(DjangoSettings, namespace="CELERY")
+    assert RedlockSettings.from_conf(app.conf).compat_0_2 is False
+    assert (
+        RedlockSettings.from_conf(
+            Celery("defaults", set_as_current=False, broker=DjangoSettings.CELERY_BROKER_URL).conf
+        ).compat_0_2
+        is True
+    )
+
+    class DeprecatedName:
+        CELERY_BROKER_URL = "redis://127.0.0.1:1/0"
+        CELERY_REDLOCK_LEGACY_LAYOUT = False
+
+    app = Celery("django_deprecated", set_as_current=False)
+    app.config_from_object(DeprecatedName, namespace="CELERY")
+    with caplog.at_level("WARNING", logger="celery_redlock.settings"):
+        assert RedlockSettings.from_conf(app.conf).compat_0_2 is False
+    assert [record.getMessage() for record in caplog.records] == [
+        "CELERY_REDLOCK_LEGACY_LAYOUT is deprecated: name it CELERY_REDLOCK_COMPAT_0_2 (the same "
+        "setting); the old name will go"
+    ]
 
 
 def test_django_style_celery_namespace(

@@ -12,11 +12,13 @@ import time
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from redlock_support import pttl_on, value_on, values_on, wait_until
+from redlock_support import commands_seen, pttl_on, script_commands, value_on, values_on, wait_until
 
-from celery_redlock import QuorumUnavailable, Redlock
+from celery_redlock import Lock, QuorumUnavailable, Redlock
+from celery_redlock.lock import keyspace
 from celery_redlock.lock.keeper import LockKeeper
 from celery_redlock.lock.nodes import Endpoint
+from celery_redlock.lock.outcomes import Record
 from celery_redlock.lock.owner import Owner, claim_prefix, lock_value, owner_text_of, run_prefix
 from celery_redlock.lock.redlock import Acquired, Contended, Held, Unavailable, release_if_owner
 from celery_redlock.lock.scripts import FENCE_AFTER_RELEASE_MILLISECONDS
@@ -162,6 +164,42 @@ def test_a_released_lock_leaves_its_fencing_counter_one_second(one_node: RedisNo
     with server.client() as client:  # nothing of a finished run stays on the node
         assert wait_until(lambda: not client.exists(fence), timeout=3.0, interval=0.05)
         assert client.keys("*fenced*") == []
+
+
+# -- what an acquisition costs a node ------------------------------------------------------------
+
+
+def test_an_acquisition_runs_five_commands_at_most_once_the_0_2_copy_is_off(
+    one_node: RedisNodes,
+) -> None:
+    """Issue 40: the acquire script's own commands (MONITOR) on the default path of a task (with
+    its record), without the 0.2-layout copy: five (the record, the lock, the reservation, the
+    lock's SET, the counter's SET ... GET), whether the counter exists or not; a counter ahead of
+    the caller's clock costs one SET more, and orders the token after it."""
+    server = one_node[0]
+    dlm = Redlock(one_node.urls, node_timeout=0.5, compat_0_2=False)
+    key = dlm.key_for("costed")
+    record = Record(keyspace.records_key(key, "task-1"), "message", (0, 0), 60.0)
+
+    def acquire(with_record: Record | None = None) -> tuple[Lock, list[str]]:
+        with commands_seen([server]) as seen:
+            outcome = dlm.attempt("costed", 10.0, record=with_record)
+        assert isinstance(outcome, Acquired), outcome
+        assert dlm.release(outcome.lock)
+        return outcome.lock, script_commands(seen[0])
+
+    first, fresh = acquire(record)  # no counter yet
+    second, again = acquire(record)  # the released lock's counter lives one more second
+    assert fresh == again == ["HGET", "GET", "GET", "SET", "SET"]
+    assert second.fencing_token > first.fencing_token
+    assert acquire()[1] == ["GET", "GET", "SET", "SET"]  # a lock without a record
+
+    ahead = time.time_ns() // 1000 + 10**12
+    with server.client() as client:
+        client.set(key + ":fence", ahead, px=60_000)
+    lock, commands = acquire(record)
+    assert commands == ["HGET", "GET", "GET", "SET", "SET", "SET"]
+    assert lock.fencing_token == ahead + 1
 
 
 def test_a_hold_keeps_the_lock_exactly_that_long(one_node: RedisNodes) -> None:

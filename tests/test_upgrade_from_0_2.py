@@ -39,12 +39,13 @@ from celery_apps.support import LOCK_EVENTS, RunLog
 from cli_app import create_app
 from cli_support import FAST, as_json, invoke
 from conftest import MakeRedisNodes
-from redlock_support import pttls_on, values_on, wait_until
+from redlock_support import commands_seen, pttls_on, values_on, wait_until
 
 from celery_redlock import Redlock, RedlockSettings, SingletonTask, admin, testing
-from celery_redlock.errors import DuplicateSkipped
+from celery_redlock.errors import ConfigurationError, DuplicateSkipped
 from celery_redlock.lock import keyspace
 from celery_redlock.lock.outcomes import Acquired, Held
+from celery_redlock.lock.owner import lock_value
 from celery_redlock.testing import RedisNodes, RedisServer
 
 PREFIX = "redlock:"
@@ -156,30 +157,151 @@ def test_a_lock_of_today_is_held_at_its_0_2_key_too(three: RedisNodes, redlock: 
 
 
 def test_with_the_0_2_layout_off_locks_live_at_their_key_of_today_alone(three: RedisNodes) -> None:
-    """``redlock_legacy_layout = False``, once no 0.2 process runs: a 0.2 lock is no longer in
-    the way, and nothing is written, extended or released at 0.2 keys; ``status`` says that 0.2
+    """``redlock_compat_0_2 = False``, once no 0.2 process runs: a 0.2 lock is no longer in the
+    way, and nothing is written, extended or released at 0.2 keys; ``status`` says that 0.2
     locks found meanwhile are not treated as held."""
     old = PREFIX + "proj.tasks.sync:off"
     value = legacy_value("proj.tasks.sync", "id-of-0.2")
     lock_as_0_2(three, old, value)
-    manager = Redlock(three.urls, legacy_layout=False)
+    manager = Redlock(three.urls, compat_0_2=False)
     try:
         outcome = manager.attempt("proj.tasks.sync:off", 10.0)
         assert isinstance(outcome, Acquired), outcome
+        assert manager.holder_of("proj.tasks.sync:off") is not None  # today's lock, not 0.2's
         lock = manager.acquire("proj.tasks.report:off", 10.0)
         assert lock is not None
         assert values_on(three, PREFIX + "proj.tasks.report:off") == [None] * 3
         assert manager.extend(lock, 30.0)
         assert manager.release(lock)
         assert manager.release(outcome.lock)
+        assert manager.holder_of("proj.tasks.sync:off") is None  # the 0.2 lock is not held
         assert values_on(three, old) == [value] * 3  # the 0.2 lock, untouched
     finally:
         manager.close()
     app = create_app(three.urls)
-    app.conf.redlock_legacy_layout = False
+    app.conf.redlock_compat_0_2 = False
     status = invoke(app, "status", *FAST)
     assert f"1 lock(s) under 0.2-layout keys ({old})" in status.stdout, status.output
-    assert "do NOT treat them as held (redlock_legacy_layout is False)" in status.stdout
+    assert "do NOT treat them as held (redlock_compat_0_2 is False)" in status.stdout
+
+
+def test_with_the_0_2_copy_off_no_0_2_layout_key_is_read_or_written(three: RedisNodes) -> None:
+    """Every command the nodes ran (MONITOR, scripts' own commands included) while a lock was
+    taken, refused, extended, held, released and looked up: with ``compat_0_2=False`` none names
+    a 0.2-layout key; with it on, the same calls read and write them, and a 0.2 lock held there
+    is in the way."""
+    resource = "proj.tasks.monitored:1"
+    legacy = PREFIX + resource
+    other = lock_value("c" * 40, "another worker of today")
+
+    def lock_calls(manager: Redlock) -> Acquired | Held:
+        outcome = manager.attempt(resource, 10.0)
+        if isinstance(outcome, Acquired):
+            lock = outcome.lock
+            assert manager.extend(lock, 20.0)
+            assert manager.holder_of(resource) is not None
+            assert manager.release(lock, hold=0.5)
+            assert isinstance(manager.attempt(resource, 10.0), Held)  # held for 0.5 s more
+            again = manager.acquire(resource, 10.0, blocking=True, timeout=5.0)
+            assert again is not None and manager.release(again)
+        for server in three:  # someone else's lock of today: refused, nothing written
+            with server.client(socket_timeout=2) as client:
+                client.set(manager.key_for(resource), other, px=10_000)
+        assert isinstance(manager.attempt(resource, 10.0), Held)
+        delete(three, manager.key_for(resource))
+        assert isinstance(outcome, (Acquired, Held)), outcome
+        return outcome
+
+    lock_as_0_2(three, legacy, legacy_value("proj.tasks.monitored", "id-of-0.2"))
+    off = Redlock(three.urls, compat_0_2=False)
+    try:
+        with commands_seen(three.servers) as seen:
+            assert isinstance(lock_calls(off), Acquired)
+    finally:
+        off.close()
+    commands = [command["command"] for commands in seen for command in commands]
+    assert sum("EVALSHA" in command for command in commands) >= 5 * 3, commands
+    assert any(f"GET {PREFIX}{{{resource}}}" in command for command in commands), commands
+    # Not at the 0.2-layout lock key, nor at its reservation (the key plus ":pending").
+    named = [part for command in commands for part in command.split(" ")]
+    assert [part for part in named if part.startswith(legacy)] == []
+
+    on = Redlock(three.urls)  # the default: compat_0_2=True
+    try:
+        with commands_seen(three.servers) as seen:
+            assert isinstance(lock_calls(on), Held)  # the 0.2 worker's lock is in the way
+        assert all(
+            f"GET {legacy}" in [command["command"] for command in commands] for commands in seen
+        )
+        delete(three, legacy)
+        with commands_seen(three.servers) as seen:
+            assert isinstance(lock_calls(on), Acquired)
+        written = [command["command"] for command in seen[0] if command["client_type"] == "lua"]
+        assert any(command.startswith(f"SET {legacy} ") for command in written), written
+        assert any(command.startswith(f"PEXPIRE {legacy} ") for command in written), written
+        assert f"DEL {legacy}" in written, written
+    finally:
+        on.close()
+
+
+def test_holder_of_names_a_0_2_lock_held_on_a_majority(three: RedisNodes, redlock: Redlock) -> None:
+    """Issue 39: where only the 0.2-layout key is held (a 0.2 worker's lock), `holder_of` names
+    its holder as `attempt` does (it said nobody); on a minority it is no lock."""
+    resource = "proj.tasks.sync:holder"
+    lock_as_0_2(three.servers[:2], PREFIX + resource, legacy_value("proj.tasks.sync", "id-0.2"))
+    attempted = redlock.attempt(resource, 10.0)
+    assert isinstance(attempted, Held), attempted
+    holder = redlock.holder_of(resource)
+    assert holder is not None and json.loads(holder.holder)["id"] == "id-0.2"
+    assert holder.holder == attempted.holder and 0 < holder.expires_in <= 60
+
+    # A lock of today's layout comes first, as it does for an acquisition.
+    ours = lock_value("d" * 40, "a worker of today")
+    for server in three.servers[:2]:
+        with server.client(socket_timeout=2) as client:
+            client.set(redlock.key_for(resource), ours, px=10_000)
+    today = redlock.holder_of(resource)
+    assert today is not None and today.holder == "a worker of today"
+    delete(three, redlock.key_for(resource))
+
+    delete(three.servers[1:2], PREFIX + resource)
+    assert redlock.holder_of(resource) is None
+    assert isinstance(redlock.attempt(resource, 10.0), Acquired)
+
+
+def test_the_old_name_of_the_setting_still_works_with_a_warning(
+    three: RedisNodes, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``redlock_legacy_layout`` / ``Redlock(legacy_layout=...)``, deprecated: each works as the
+    new name, warns naming it, and set beside the new name to another value is an error."""
+    app = create_app(three.urls)
+    app.conf.redlock_legacy_layout = False
+    with caplog.at_level("WARNING", logger="celery_redlock.settings"):
+        assert RedlockSettings.from_conf(app.conf).compat_0_2 is False
+    assert [record.getMessage() for record in caplog.records] == [
+        "redlock_legacy_layout is deprecated: name it redlock_compat_0_2 (the same setting); "
+        "the old name will go"
+    ]
+    app.conf.redlock_compat_0_2 = False
+    assert RedlockSettings.from_conf(app.conf).compat_0_2 is False
+    app.conf.redlock_compat_0_2 = True
+    with pytest.raises(ConfigurationError) as raised:
+        RedlockSettings.from_conf(app.conf)
+    assert str(raised.value) == (
+        "redlock_legacy_layout (deprecated) and redlock_compat_0_2 are one setting, set to False "
+        "and True: remove redlock_legacy_layout"
+    )
+
+    with pytest.deprecated_call(match=r"legacy_layout=.*deprecated: pass compat_0_2="):
+        manager = Redlock(three.urls, legacy_layout=False)
+    try:
+        old = PREFIX + "proj.tasks.sync:alias"
+        lock_as_0_2(three, old, legacy_value("proj.tasks.sync", "id-of-0.2"))
+        assert isinstance(manager.attempt("proj.tasks.sync:alias", 10.0), Acquired)
+    finally:
+        manager.close()
+    with pytest.deprecated_call(), pytest.raises(ConfigurationError, match="remove legacy_layout"):
+        Redlock(three.urls, compat_0_2=True, legacy_layout=False)
 
 
 # -- a real worker -------------------------------------------------------------------------------

@@ -329,8 +329,8 @@ def legacy_lock_warnings(reader: LockReader) -> list[str]:
     shown = ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
     held_for = (
         "0.3 workers treat them as held"
-        if reader.settings.legacy_layout
-        else "0.3 workers do NOT treat them as held (redlock_legacy_layout is False): set it "
+        if reader.settings.compat_0_2
+        else "0.3 workers do NOT treat them as held (redlock_compat_0_2 is False): set it "
         "back to True while any 0.2 process runs"
     )
     return [

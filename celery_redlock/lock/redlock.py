@@ -13,12 +13,13 @@ import logging
 import math
 import random
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, TypedDict
 
 from ..errors import ConfigurationError, LockNotAcquired, QuorumUnavailable
-from ..settings import RedlockSettings, check_seconds, even_node_warning, split_urls
+from ..settings import RedlockSettings, check_seconds, even_node_warning, renamed_value, split_urls
 from . import keyspace, scripts
 from .nodes import Judge, LockNode, NodeGroup, RoundResult, members_from_urls
 from .nodes.cluster import ClusterNode
@@ -69,8 +70,10 @@ class Redlock:
     and are reopened after a fork. ``urls`` (a list, or one comma-separated string) takes
     ``redis://``, ``rediss://``, ``unix://``, ``redis+cluster://`` and ``redis+sentinel://``
     URLs (`nodes.urls`); ``username`` and ``password`` apply to every URL without credentials.
-    ``legacy_layout=False`` stops holding locks at their 0.2-layout keys too (README: Upgrading
-    from 0.2). Invalid arguments raise `ConfigurationError` saying how to fix them.
+    ``compat_0_2`` (default True): also take and hold each lock at its 0.2-layout key, so that
+    celery-redlock 0.2 workers on the same nodes are excluded; False once none runs (README:
+    Upgrading from 0.2), and no 0.2-layout key is read or written. ``legacy_layout`` is its
+    deprecated name. Invalid arguments raise `ConfigurationError` saying how to fix them.
     """
 
     def __init__(
@@ -83,8 +86,17 @@ class Redlock:
         key_prefix: str = RedlockSettings.key_prefix,
         username: str | None = None,
         password: str | None = None,
-        legacy_layout: bool = RedlockSettings.legacy_layout,
+        compat_0_2: bool | None = None,
+        *,
+        legacy_layout: bool | None = None,
     ) -> None:
+        if legacy_layout is not None:
+            warnings.warn(
+                "Redlock(legacy_layout=...) is deprecated: pass compat_0_2=... (the same option)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            compat_0_2 = renamed_value("compat_0_2", compat_0_2, "legacy_layout", legacy_layout)
         settings = RedlockSettings(
             urls=split_urls(urls),  # type: ignore[arg-type]  # checked by RedlockSettings
             retry_count=retry_count,
@@ -94,7 +106,7 @@ class Redlock:
             key_prefix=key_prefix,
             username=username,
             password=password,
-            legacy_layout=legacy_layout,
+            compat_0_2=RedlockSettings.compat_0_2 if compat_0_2 is None else compat_0_2,
         )
         self._configure(settings)
         warning = even_node_warning(len(self._group.nodes))
@@ -114,7 +126,7 @@ class Redlock:
         self.quorum = self._group.quorum
         # 0.2 had no cluster nodes, and a script's keys must share a cluster node's hash slot.
         self._legacy_layout = not any(isinstance(node, ClusterNode) for node in members)
-        self._holds_legacy = self._legacy_layout and settings.legacy_layout
+        self._holds_legacy = self._legacy_layout and settings.compat_0_2
         self._checked_ttl: float | None = None
         self._tokens = Tokens()
 
@@ -290,18 +302,20 @@ class Redlock:
 
     def holder_of(self, resource: str) -> Held | None:
         """Who holds the lock on ``resource`` now, when a majority of nodes agrees on one, without
-        taking it; None when nobody does. Raises `QuorumUnavailable` without a quorum."""
+        taking it; None when nobody does. With ``compat_0_2``, a 0.2 worker's lock counts, as it
+        does for `attempt`. Raises `QuorumUnavailable` without a quorum."""
         return self._holder_at(self.key_for(resource))
 
     def _holder_at(self, key: str) -> Held | None:
-        result = self._group.run(scripts.READ, (key,), (), judge_copy)
+        keys = (key, self._with_legacy(key))
+        result = self._group.run(scripts.READ, keys, (), judge_copy)
         if result.answered < self.quorum:
             raise self._unavailable(key, result)
         copies = copies_in(result)
         if not copies_agree(copies, self.quorum):
             # The first copies to arrive disagree (a node that lost the lock, one that kept a
             # leftover): only every node's copy can tell whether a majority agrees.
-            everyone = self._group.run(scripts.READ, (key,), (), judge_copy, every=True)
+            everyone = self._group.run(scripts.READ, keys, (), judge_copy, every=True)
             if everyone.answered >= self.quorum:
                 copies = copies_in(everyone)
         return majority_holder(copies, self.quorum)

@@ -75,6 +75,14 @@ end
 
 COVERED_REPLY = b"COVERED"  # ACQUIRE's answer when the record asked about covers the rank
 
+# A string that some version of celery_redlock wrote as a lock value: a token of 40 lowercase hex
+# digits first (then, from 0.2 on, '|' and the owner).
+_IS_LOCK_VALUE = """
+local function is_lock_value(value)
+    return type(value) == 'string' and string.find(value, '^' .. string.rep('[0-9a-f]', 40)) ~= nil
+end
+"""
+
 # KEYS[1] lock key, KEYS[2] its fencing counter, KEYS[3] its reservation, KEYS[4] (optional) its
 # 0.2-layout key (KEYS[1] again: none), KEYS[5] (optional) a record hash. ARGV[1] value
 # (token|owner), ARGV[2] ttl in ms, ARGV[3] the caller's clock in microseconds, ARGV[4] an owner
@@ -82,12 +90,18 @@ COVERED_REPLY = b"COVERED"  # ACQUIRE's answer when the record asked about cover
 # Returns COVERED when the record covers the rank; else, when the lock was taken (a key already
 # holding ARGV[1] is a late SET of an earlier round: taken), the fencing token max(counter + 1,
 # caller's clock), so that nodes that saw the same history agree; else {the value in the way, its
-# pttl in ms} (at either key, or a reservation for someone else). A taken lock is written at both
-# keys so 0.2 workers see it; a 0.2 key of another type, or a value no version writes, is left.
+# pttl in ms} (at the lock key, else at its 0.2-layout key, else a reservation for someone else).
+# A taken lock is written at both keys so 0.2 workers see it; a 0.2 key of another type, or a
+# value no version writes, is left. Each key is read only when the call needs it: the record with
+# KEYS[5], the 0.2-layout key with KEYS[4]. The counter is read and set in one command (SET ...
+# GET) and set again only when it was not below the caller's clock; it then lives as long as this
+# lock: a lock it fenced before is gone from this node (the key was free, or replaceable), and
+# extensions and holds keep the counter as long as this one.
 ACQUIRE = Script(
     "acquire",
     _CALL
     + _COVERS
+    + _IS_LOCK_VALUE
     + """
 if KEYS[5] and covers(call('HGET', KEYS[5], ARGV[5]), ARGV[6]) then
     return redis.status_reply('COVERED')
@@ -109,7 +123,7 @@ end
 local legacy = KEYS[4] ~= nil and KEYS[4] ~= KEYS[1]
 if legacy then
     local old = redis.pcall('GET', KEYS[4])
-    if type(old) == 'string' and string.find(old, '^' .. string.rep('[0-9a-f]', 40)) then
+    if is_lock_value(old) then
         if in_the_way(old) then
             return {old, call('PTTL', KEYS[4])}
         end
@@ -125,13 +139,12 @@ call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 if legacy then
     call('SET', KEYS[4], ARGV[1], 'PX', ARGV[2])
 end
-local counter = call('GET', KEYS[2])
-local fence = math.max((tonumber(counter) or 0) + 1, tonumber(ARGV[3]))
-local keep = tonumber(ARGV[2])
-if counter then
-    keep = math.max(keep, call('PTTL', KEYS[2]))
+local fence = tonumber(ARGV[3])
+local counter = tonumber(call('SET', KEYS[2], string.format('%.0f', fence), 'PX', ARGV[2], 'GET'))
+if counter and counter >= fence then
+    fence = counter + 1
+    call('SET', KEYS[2], string.format('%.0f', fence), 'PX', ARGV[2])
 end
-call('SET', KEYS[2], string.format('%.0f', fence), 'PX', keep)
 return fence
 """,
 )
@@ -250,8 +263,24 @@ return released
     alone=True,
 )
 
-# KEYS[1] lock key. Returns {current value or '', its pttl in ms}: who holds it, without taking it.
-READ = Script("read", _CALL + "return {call('GET', KEYS[1]) or '', call('PTTL', KEYS[1])}")
+# KEYS[1] lock key, KEYS[2] (optional) its 0.2-layout key (KEYS[1] again: none). Returns {current
+# value or '', its pttl in ms}: who holds it, without taking it; when the lock key is empty, the
+# lock value at the 0.2-layout key and its pttl, as ACQUIRE finds it in the way.
+READ = Script(
+    "read",
+    _CALL
+    + _IS_LOCK_VALUE
+    + """
+local value = call('GET', KEYS[1])
+if not value and KEYS[2] and KEYS[2] ~= KEYS[1] then
+    local old = redis.pcall('GET', KEYS[2])
+    if is_lock_value(old) then
+        return {old, call('PTTL', KEYS[2])}
+    end
+end
+return {value or '', call('PTTL', KEYS[1])}
+""",
+)
 
 # KEYS[1] lock key (checked by the caller: `keyspace.is_lock_key`), KEYS[2] (optional) its
 # 0.2-layout key. Operators' forced release: deletes it (and its 0.2 copy) whoever holds it, and
