@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    python benchmarks/bench_celery.py                          # defaults: about five minutes
+    python benchmarks/bench_celery.py                          # defaults: five to eight minutes
     python benchmarks/bench_celery.py --tasks 300 --rounds 2   # a quick check
     python benchmarks/bench_celery.py --json results.json      # the tables, plus raw numbers
     python benchmarks/bench_celery.py --candidate /tmp/patched # A/B a changed celery_redlock
