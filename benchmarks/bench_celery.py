@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    python benchmarks/bench_celery.py                          # defaults: about five minutes
+    python benchmarks/bench_celery.py                          # defaults: five to eight minutes
     python benchmarks/bench_celery.py --tasks 300 --rounds 2   # a quick check
     python benchmarks/bench_celery.py --json results.json      # the tables, plus raw numbers
     python benchmarks/bench_celery.py --candidate /tmp/patched # A/B a changed celery_redlock
@@ -34,9 +34,16 @@ One run of one variant:
    runs from the start of the first ``noop`` to the end of the last, so it holds every call's
    whole cycle (receive, lock, run, release, acknowledge) and neither the worker's start nor
    its stop;
-4. ``report``, queued behind the calls, sends those numbers to the broker Redis once; the
-   worker is then stopped (killed: every message is acknowledged by then, and a warm shutdown
-   would only add a second per run).
+4. ``report``, queued behind the calls, sends those numbers to the broker Redis once, and the
+   window starts anew;
+5. end to end (unless ``--worker-only``): with that worker idle on the queue, ``--tasks`` more
+   calls are published one ``apply_async`` at a time, as an application does (celery-singleton
+   and celery-once lock here, inside the time), then a ``report``; timed from the first
+   ``apply_async`` to the end of the last call in the worker (harness and worker read the host's
+   monotonic clock). Producer, broker and worker all count, running at once. celery-singleton
+   locks in ``apply_async``, outside the worker-only window: only this table compares it fairly;
+6. the worker is then stopped (killed: every message is acknowledged by then, and a warm
+   shutdown would only add a second per run).
 
 A run where a call failed, retried or was skipped (any state but SUCCESS, or fewer calls than
 published) is noted in the report and run again, at most three times.
@@ -44,10 +51,10 @@ published) is noted in the report and run again, at most three times.
 CPU: with ``-P solo`` the worker is one process that receives, locks, runs and acknowledges,
 so its CPU time in the window (``time.process_time``: user + system, every thread) divided by
 the calls is everything a call costs the worker. The lock nodes' memory (INFO ``used_memory``,
-expired keys swept by a SCAN) is read before the calls are queued and two seconds after the
-report, so it holds what the run left behind. The lock nodes' CPU time (from their INFO)
-is read before the worker starts and after the report arrives, so it holds the worker's start,
-and the nodes' idle housekeeping: the plain row shows that floor.
+expired keys swept by a SCAN) is read before the worker starts and two seconds after it is
+stopped, so it holds what the run (both halves) left behind. The lock nodes' CPU time (from
+their INFO) is read before the worker starts and after the report arrives, so it holds the
+worker's start, and the nodes' idle housekeeping: the plain row shows that floor.
 
 The lock client alone: ``client-1`` and ``client-5`` run ``Redlock(urls).acquire(resource,
 ttl)`` + ``release(lock)`` ``--tasks`` times (distinct resources, after a short warm-up) in a
@@ -72,9 +79,11 @@ rotated every round, so load from elsewhere on the machine falls on all of them 
 the rounds, each runs once with ``--warmup`` calls, not counted. The report is Markdown: the
 median tasks per second of each variant, its min - max over rounds, its ratio to plain, its cost
 per call over plain and that cost over the lock client's pair, the worker's and the lock nodes'
-CPU per call; the lock client alone; the integration CPU; then the checks of the targets
-(singleton_task at least 0.9x plain with 1 and with 5 lock nodes, what it adds at most 1.0x the
-lock client's pair, integration CPU at most 50 µs per call with either) and the machine's load.
+CPU per call; the same end to end, with the producer's CPU per call; the lock client alone;
+the integration CPU; then the checks of the targets (singleton_task at least 0.9x plain with 1
+and with 5 lock nodes, what it adds at most 1.0x the lock client's pair, integration CPU at most
+50 µs per call with either, singleton_task with 1 node at least as fast as celery-singleton,
+worker only and end to end) and the machine's load.
 
 ``--candidate DIR`` adds ``redlock-1-candidate``, ``redlock-5-candidate`` and their lock
 clients: the same runs with another copy of ``celery_redlock`` (a proposed change) first on the
@@ -251,6 +260,7 @@ class _Window:
 
     started: float | None = None
     ended: float = 0.0
+    ended_monotonic: float = 0.0  # the host's clock, which the harness reads too (end to end)
     cpu_started: float = 0.0
     cpu_ended: float = 0.0
     outcomes: Counter[str] = field(default_factory=Counter)
@@ -282,22 +292,28 @@ def _on_task_postrun(sender: Any = None, state: str | None = None, **_: Any) -> 
     ends with the last ``noop``."""
     if getattr(sender, "name", None) == NOOP:
         _WINDOW.ended = time.perf_counter()
+        _WINDOW.ended_monotonic = time.monotonic()
         _WINDOW.cpu_ended = time.process_time()
         _WINDOW.outcomes[state or "?"] += 1
 
 
 def _report(report_key: str, broker_url: str) -> None:
-    """Queued behind the calls: send the window's numbers to the harness, once."""
+    """Queued behind the calls: send the window's numbers to the harness, once, and start a new
+    window for the calls queued next (the end-to-end half of the run)."""
     profiler, _WINDOW.profiler = _WINDOW.profiler, None
     if profiler is not None and _WINDOW.profile_path:
         profiler.disable()
         profiler.dump_stats(_WINDOW.profile_path)
+        _WINDOW.profile_path = None  # one profile per worker: the worker-only half
     measurement = {
         "seconds": _WINDOW.ended - (_WINDOW.started or _WINDOW.ended),
+        "ended_monotonic": _WINDOW.ended_monotonic,
         "cpu_seconds": _WINDOW.cpu_ended - _WINDOW.cpu_started,
         "outcomes": dict(_WINDOW.outcomes),
         "package": os.path.dirname(os.path.abspath(celery_redlock.__file__)),
     }
+    _WINDOW.started = None
+    _WINDOW.outcomes = Counter()
     client = redis.Redis.from_url(broker_url)
     try:
         client.rpush(report_key, json.dumps(measurement))
@@ -389,6 +405,18 @@ class RunOutcomes(RunFailed):
 
 
 @dataclass(frozen=True)
+class EndToEnd:
+    """The end-to-end half of a worker run: calls per second from the first ``apply_async`` to
+    the end of the last call, and the CPU microseconds per call of the producer (the harness,
+    publishing), of the worker (its window) and of the lock nodes (publishing included)."""
+
+    rate: float
+    producer_cpu_us: float
+    worker_cpu_us: float
+    node_cpu_us: float
+
+
+@dataclass(frozen=True)
 class Sample:
     """One run: calls per second in the window, CPU microseconds per call of the worker (or the
     lock client) and of the lock nodes, and the machine's 1-minute load average at its start."""
@@ -399,6 +427,7 @@ class Sample:
     load: float
     node_bytes: float = 0.0  # lock node memory a worker run left, per call (workers only)
     paced_us: float = 0.0  # wall µs per pair paced like tasks (lock clients only)
+    end_to_end: EndToEnd | None = None  # the end-to-end half of a worker run
 
 
 LEFT_AFTER_SECONDS = 2.0
@@ -444,6 +473,7 @@ class Benchmark:
     cpus: str
     candidate: Path | None
     profile_timer: str = "wall"
+    end_to_end: bool = True  # each worker run also times calls from their first apply_async
     apps: dict[str, Celery] = field(default_factory=dict)
     runs: Iterator[int] = field(default_factory=itertools.count)
     next_argument: int = 0  # no two calls ever get the same arguments
@@ -488,18 +518,20 @@ class Benchmark:
         """One run of a worker variant or of a lock client."""
         if base_variant(variant) in LOCK_CLIENTS:
             return self.run_lock_client(variant, calls)
-        return self.run_worker(variant, calls, profile)
+        return self.run_worker(variant, calls, profile, self.end_to_end)
 
-    def run_worker(self, variant: str, calls: int, profile: Path | None) -> Sample:
+    def run_worker(
+        self, variant: str, calls: int, profile: Path | None, end_to_end: bool = True
+    ) -> Sample:
         """Publish ``calls`` no-ops and a report to a fresh queue, then start a solo worker on it;
-        return what its window measured."""
+        with ``end_to_end``, then time ``calls`` more from their first ``apply_async``, that
+        worker running. Return what its windows measured."""
         run = next(self.runs)
         queue = f"benchmark.{variant}.{run}"
         report_key = f"bench:report:{run}"
         app = self.app(variant)
-        first, self.next_argument = self.next_argument, self.next_argument + calls
         with app.producer_or_acquire() as producer:
-            for argument in range(first, first + calls):
+            for argument in self.arguments(calls):
                 app.tasks[NOOP].apply_async((argument,), queue=queue, producer=producer)
             app.tasks[REPORT].apply_async(
                 (report_key, self.broker.url), queue=queue, producer=producer
@@ -520,31 +552,78 @@ class Benchmark:
             log_path=self.directory / f"worker-{run}-{variant}.log",
         )
         control = self.broker.client(socket_timeout=10.0)
+        timed: EndToEnd | None = None
         try:
             with celery_processes() as processes:
                 processes.append(worker.start())
                 reply = self._wait_for_report(control, report_key, worker)
                 node_cpu = _redis_cpu_seconds(self.nodes) - node_cpu
                 log_tail = worker.log_tail(10)
-                # The window is over and every message acknowledged: no need to wait for a warm
-                # shutdown (about a second here). SIGKILL to the worker's process group.
+                measurement = json.loads(reply)
+                self.check_outcomes(variant, measurement, calls, log_tail)
+                if end_to_end:
+                    timed = self.run_end_to_end(variant, calls, queue, f"{report_key}:e2e", worker)
+                # The windows are over and every message acknowledged: no need to wait for a
+                # warm shutdown (about a second here). SIGKILL to the worker's process group.
                 worker.kill()
             control.delete(queue)
         finally:
             control.close()
         time.sleep(LEFT_AFTER_SECONDS)
         node_memory = _redis_memory_bytes(self.nodes) - node_memory
-        measurement = json.loads(reply)
-        self.check_package(variant, measurement["package"])
-        if measurement["outcomes"] != {"SUCCESS": calls}:
-            raise RunOutcomes(variant, measurement["outcomes"], log_tail)
         return Sample(
             rate=calls / measurement["seconds"],
             cpu_us=measurement["cpu_seconds"] / calls * 1e6,
             node_cpu_us=node_cpu / calls * 1e6,
             load=load,
-            node_bytes=node_memory / calls,
+            node_bytes=node_memory / (calls * (2 if end_to_end else 1)),
+            end_to_end=timed,
         )
+
+    def run_end_to_end(
+        self, variant: str, calls: int, queue: str, report_key: str, worker: CeleryWorker
+    ) -> EndToEnd:
+        """With ``worker`` idle on ``queue``: publish ``calls`` no-ops one ``apply_async`` at a
+        time, as an application does (publish-time locks included), and a report; time them from
+        the first ``apply_async`` to the end of the last call in the worker (both read the host's
+        monotonic clock)."""
+        app = self.app(variant)
+        task = app.tasks[NOOP]
+        arguments = self.arguments(calls)
+        control = self.broker.client(socket_timeout=10.0)
+        try:
+            node_cpu = _redis_cpu_seconds(self.nodes)
+            producer_cpu = time.process_time()
+            started = time.monotonic()
+            for argument in arguments:
+                task.apply_async((argument,), queue=queue)
+            producer_cpu = time.process_time() - producer_cpu
+            app.tasks[REPORT].apply_async((report_key, self.broker.url), queue=queue)
+            reply = self._wait_for_report(control, report_key, worker)
+            node_cpu = _redis_cpu_seconds(self.nodes) - node_cpu
+        finally:
+            control.close()
+        measurement = json.loads(reply)
+        self.check_outcomes(variant, measurement, calls, worker.log_tail(10))
+        return EndToEnd(
+            rate=calls / (measurement["ended_monotonic"] - started),
+            producer_cpu_us=producer_cpu / calls * 1e6,
+            worker_cpu_us=measurement["cpu_seconds"] / calls * 1e6,
+            node_cpu_us=node_cpu / calls * 1e6,
+        )
+
+    def arguments(self, calls: int) -> range:
+        """Arguments for ``calls`` more calls: no two calls of the benchmark get the same."""
+        first, self.next_argument = self.next_argument, self.next_argument + calls
+        return range(first, first + calls)
+
+    def check_outcomes(
+        self, variant: str, measurement: dict[str, Any], calls: int, log_tail: str
+    ) -> None:
+        """Raise unless the worker imported the right package and every call succeeded."""
+        self.check_package(variant, measurement["package"])
+        if measurement["outcomes"] != {"SUCCESS": calls}:
+            raise RunOutcomes(variant, measurement["outcomes"], log_tail)
 
     @staticmethod
     def _wait_for_report(control: redis.Redis, report_key: str, worker: CeleryWorker) -> str:
@@ -645,6 +724,30 @@ class Results:
         """The variant's median rate over plain's."""
         return self.median(variant) / self.median(BASELINE)
 
+    def timed_end_to_end(self) -> list[str]:
+        """The worker variants whose every run timed its end-to-end half too."""
+        return [
+            variant
+            for variant in self.workers()
+            if all(sample.end_to_end is not None for sample in self.samples[variant])
+        ]
+
+    def end_to_end(self, variant: str, attribute: str = "rate") -> list[float]:
+        """One `EndToEnd` attribute of each of the variant's runs, in round order."""
+        return [
+            getattr(sample.end_to_end, attribute)
+            for sample in self.samples[variant]
+            if sample.end_to_end is not None
+        ]
+
+    def end_to_end_median(self, variant: str, attribute: str = "rate") -> float:
+        """The median over rounds of one of the variant's `EndToEnd` attributes."""
+        return float(statistics.median(self.end_to_end(variant, attribute)))
+
+    def end_to_end_overhead_us(self, variant: str) -> float:
+        """Microseconds per call over plain end to end, from the median rates."""
+        return (1 / self.end_to_end_median(variant) - 1 / self.end_to_end_median(BASELINE)) * 1e6
+
     def overhead_us(self, variant: str) -> float:
         """Microseconds per call over plain, from the median rates."""
         return (1 / self.median(variant) - 1 / self.median(BASELINE)) * 1e6
@@ -724,10 +827,12 @@ def run_benchmark(
         for variant in order:
             sample = run(variant, tasks)
             samples[variant].append(sample)
+            timed = sample.end_to_end
             print(
                 f"round {round_index + 1}/{rounds} {variant}: {sample.rate:,.0f}/s, CPU µs per "
-                f"call: {sample.cpu_us:.0f}, lock nodes {sample.node_cpu_us:.0f} "
-                f"(load {sample.load:.1f})",
+                f"call: {sample.cpu_us:.0f}, lock nodes {sample.node_cpu_us:.0f}"
+                + (f"; end to end {timed.rate:,.0f}/s" if timed is not None else "")
+                + f" (load {sample.load:.1f})",
                 file=sys.stderr,
             )
     return Results(
@@ -751,7 +856,7 @@ def run_profiles(benchmark: Benchmark, variants: list[str], tasks: int, director
             continue
         path = directory / f"{variant}.pstats"
         print(f"profiling {variant} ({tasks} calls) into {path}", file=sys.stderr)
-        benchmark.run_worker(variant, tasks, path)
+        benchmark.run_worker(variant, tasks, path, end_to_end=False)
 
 
 # -- the report --------------------------------------------------------------------------------
@@ -817,6 +922,31 @@ def markdown(results: Results) -> str:
             f"{results.median(variant, 'node_cpu_us'):.0f} | "
             f"{results.median(variant, 'node_bytes'):.0f} |"
         )
+    timed = results.timed_end_to_end()
+    if BASELINE in timed:
+        lines += [
+            "",
+            f"End to end, the same workers right after: {results.tasks} more calls, published "
+            "one `apply_async` at a time while the worker runs (publish-time locks included), "
+            "from the first `apply_async` to the last call's end.",
+            "",
+            "| variant, end to end | tasks/s | min - max | x plain | µs/task over plain "
+            "| producer CPU µs/task | worker CPU µs/task | lock nodes CPU µs/task |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        plain_rate = results.end_to_end_median(BASELINE)
+        for variant in timed:
+            rate = results.end_to_end_median(variant)
+            overhead = (
+                "—" if variant == BASELINE else f"{results.end_to_end_overhead_us(variant):+.0f}"
+            )
+            lines.append(
+                f"| {label(variant)} | {rate:,.0f} | {_spread(results.end_to_end(variant))} | "
+                f"{rate / plain_rate:.2f}x | {overhead} | "
+                f"{results.end_to_end_median(variant, 'producer_cpu_us'):.0f} | "
+                f"{results.end_to_end_median(variant, 'worker_cpu_us'):.0f} | "
+                f"{results.end_to_end_median(variant, 'node_cpu_us'):.0f} |"
+            )
     if results.clients():
         lines += [
             "",
@@ -888,6 +1018,18 @@ def markdown(results: Results) -> str:
             f"- {verdict}: {label('redlock-1')} {ours:,.0f}/s vs {label(PEER)} {theirs:,.0f}/s "
             "(target: at least as fast, issue 23)"
         )
+    timed = results.timed_end_to_end()
+    if PEER in timed:
+        theirs = results.end_to_end_median(PEER)
+        for variant in timed:
+            if base_variant(variant) != "redlock-1":
+                continue
+            ours = results.end_to_end_median(variant)
+            verdict = "PASS" if ours >= theirs else "MISS"
+            lines.append(
+                f"- {verdict}: end to end, {label(variant)} {ours:,.0f}/s vs {label(PEER)} "
+                f"{theirs:,.0f}/s (target: at least as fast, issue 40)"
+            )
     if results.failures:
         lines.append("")
         lines.append(
@@ -941,6 +1083,15 @@ def _json_document(results: Results, details: dict[str, str]) -> dict[str, Any]:
         "lock_nodes_bytes_left_per_call": column("node_bytes"),
         "lock_client_paced_us_per_pair": column("paced_us"),
         "load_average": column("load"),
+        "end_to_end": {
+            variant: {
+                "rate_per_second": results.end_to_end(variant),
+                "producer_cpu_us_per_call": results.end_to_end(variant, "producer_cpu_us"),
+                "worker_cpu_us_per_call": results.end_to_end(variant, "worker_cpu_us"),
+                "lock_nodes_cpu_us_per_call": results.end_to_end(variant, "node_cpu_us"),
+            }
+            for variant in results.timed_end_to_end()
+        },
         "integration_cpu_us_per_task": {
             variant: results.integration_cpu_us(variant) for variant in integrated
         },
@@ -1000,6 +1151,12 @@ def main(argv: list[str] | None = None) -> int:
         default="wall",
         help="what --profile counts: wall-clock time (waits for Redis replies included, "
         "the default) or the worker thread's CPU time",
+    )
+    parser.add_argument(
+        "--worker-only",
+        action="store_true",
+        help="skip the end-to-end half of every worker run (calls timed from their first "
+        "apply_async, the worker running): only the worker-only table",
     )
     # Internal: the lock client alone, in its own process.
     parser.add_argument("--lock-client", metavar="URLS", help=argparse.SUPPRESS)
@@ -1067,7 +1224,13 @@ def main(argv: list[str] | None = None) -> int:
         if options.candidate is not None:
             candidate = _candidate_path_entry(options.candidate, stack)
         benchmark = Benchmark(
-            broker, nodes, Path(directory), options.cpus, candidate, options.profile_timer
+            broker,
+            nodes,
+            Path(directory),
+            options.cpus,
+            candidate,
+            options.profile_timer,
+            end_to_end=not options.worker_only,
         )
         results = run_benchmark(
             benchmark, variants, options.tasks, options.warmup, options.rounds, options.cpus

@@ -4,9 +4,11 @@ kept alive past its ttl while the body runs; lost (and said so) when the nodes d
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
+import weakref
 from typing import Any
 
 import pytest
@@ -31,6 +33,7 @@ from celery_redlock import (
     SingletonTask,
     singleton_task,
 )
+from celery_redlock.integration.run import Run, current_run
 from celery_redlock.lock import keyspace
 from celery_redlock.testing import RedisNodes, RedisServer
 
@@ -219,6 +222,29 @@ def test_a_direct_call_of_a_bound_task_sees_its_lock(
     assert observed["extended"] is True
     assert all(15_000 < pttl <= 20_000 for pttl in observed["pttls"])
     assert key_gone(lock_nodes, observed["key"])
+
+
+def test_a_finished_run_is_freed_at_once(broker: RedisServer, lock_nodes: RedisNodes) -> None:
+    # Freed by reference counting as it ends, not left as a cycle (run, kept lock, the keeper's
+    # callback) for the cycle collector: that kept every run's request, arguments included, until
+    # a collection, and made the collector work on every task.
+    app = make_app(broker, lock_nodes)
+    runs: list[weakref.ref[Run]] = []
+
+    @singleton_task(app=app, shared=False, bind=True, name="life.freed")
+    def freed(self: SingletonTask, item: int) -> int:
+        run = current_run(self)
+        assert run is not None and run.kept is not None  # held, and in the keeper's care
+        runs.append(weakref.ref(run))
+        return item
+
+    gc.collect()
+    gc.disable()
+    try:
+        assert freed(1) == 1
+        assert runs[0]() is None
+    finally:
+        gc.enable()
 
 
 # -- auto-extension ----------------------------------------------------------------------------

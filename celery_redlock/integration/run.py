@@ -240,9 +240,12 @@ class Run:
         """Keep the lock alive while the body runs (in a worker, never past the hard time limit)."""
         hard_limit = self.time_limits[0] if self.can_publish else None
         deadline = None if hard_limit is None else time.monotonic() + hard_limit
+        # The kept lock holds this callback: were it to hold the run, which holds the kept lock,
+        # every run would end as a cycle (with its request) that only the cycle collector frees.
+        task, task_id, key = self.task, self.task_id, lock.key
 
         def on_lost(kept: KeptLock) -> None:
-            self.report(signals.lock_lost, reason=kept.lost_reason)
+            events.report(task, signals.lock_lost, task_id, key=key, reason=kept.lost_reason)
 
         waited = time.monotonic() - self.started
         self.lock = lock
