@@ -11,8 +11,10 @@
 - **No false "held".** A refusal that names a holder is right: that owner attempted or held the
   key at that moment, or less than one of its ttls before (a failed attempt's leftovers live
   that long on a node that missed its release).
-- **No lost task** (the Celery workload): every task sent ran, or was skipped as a duplicate of
-  a run of the same key that was running then.
+- **No lost task, no overlap** (the Celery workload): every task sent ran, or was skipped as a
+  duplicate while a run of the same key held its lock (from taking it to its release, or to
+  its expiry when no majority confirmed the release: the nodes know no better until then); two
+  runs of one key never ran at once unless one was told its lock was lost.
 - **Nothing left behind** (`leftovers`): after the run, no lock key without an expiry or with one
   longer than the longest ttl, and no released lock still on a node that answered.
 """
@@ -29,6 +31,9 @@ from .history import Record
 
 PAID_WITHIN = 1.0
 """Seconds within which a node that answers again gets the releases it missed."""
+
+LOCK_TTL = 2.0
+"""The Celery workload's lock ttl (`celery_app.LOCK_TTL`)."""
 
 SLACK = 0.05
 """Seconds of tolerance for timing judgements that compare two processes' records (the moment
@@ -118,6 +123,7 @@ def check(history: Sequence[Record]) -> list[Violation]:
     violations += writes_out_of_order(history, {hold.token: hold for hold in holds})
     violations += false_helds(history)
     violations += lost_tasks(history)
+    violations += task_overlaps(history)
     return violations
 
 
@@ -290,10 +296,14 @@ def false_helds(history: Sequence[Record]) -> list[Violation]:
 
 
 def lost_tasks(history: Sequence[Record]) -> list[Violation]:
-    """Celery workload: tasks sent that never ran and were not skipped as true duplicates."""
+    """Celery workload: tasks sent that never ran, and tasks skipped while no run of their key
+    held its lock (from taking it to its release; a release no majority confirmed, to the lock's
+    expiry: until then the nodes know no better)."""
     sent: dict[str, Record] = {}
     ran: dict[str, list[Record]] = defaultdict(list)
     skipped: dict[str, Record] = {}
+    locked_at: dict[str, float] = {}
+    released_at: dict[str, float] = {}
     for record in history:
         if record["op"] != "task":
             continue
@@ -305,6 +315,12 @@ def lost_tasks(history: Sequence[Record]) -> list[Violation]:
             ran[record["task_id"]].append(record)
         elif event == "skipped":
             skipped[record["task_id"]] = record
+        elif event == "acquired":
+            locked_at[record["task_id"]] = record["start"]
+        elif event == "released":
+            released_at[record["task_id"]] = record["start"]
+        elif event == "released-unconfirmed":
+            released_at[record["task_id"]] = record["start"] + record.get("ttl", LOCK_TTL)
     violations: list[Violation] = []
     for task_id, record in sorted(sent.items()):
         if ran.get(task_id):
@@ -315,22 +331,57 @@ def lost_tasks(history: Sequence[Record]) -> list[Violation]:
                 Violation("lost-task", record["key"], f"task {task_id} was sent and never ran")
             )
             continue
-        running = [
+        holding = [
             run
             for run in ran.get(record["key"], [])
             if run["task_id"] != task_id
-            and run["start"] - SLACK <= skip["end"]
-            and run["end"] + SLACK >= skip["start"]
+            and min(run["start"], locked_at.get(run["task_id"], math.inf)) - SLACK <= skip["end"]
+            and max(run["end"], released_at.get(run["task_id"], 0.0)) + SLACK >= skip["start"]
         ]
-        if not running:
+        if not holding:
             violations.append(
                 Violation(
                     "false-skip",
                     record["key"],
-                    f"task {task_id} was skipped as a duplicate while no run of its key ran",
+                    f"task {task_id} was skipped as a duplicate while no run of its key held it",
                     [record, skip],
                 )
             )
+    return violations
+
+
+def task_overlaps(history: Sequence[Record]) -> list[Violation]:
+    """Celery workload: two runs of one key at once, neither of which was told its lock was
+    lost."""
+    lost = {
+        record["task_id"]
+        for record in history
+        if record["op"] == "task" and record["event"] == "lost"
+    }
+    runs: dict[str, list[Record]] = defaultdict(list)
+    for record in history:
+        if record["op"] == "task" and record["event"] == "ran":
+            runs[record["key"]].append(record)
+    violations: list[Violation] = []
+    for key, records in sorted(runs.items()):
+        latest: Record | None = None
+        for record in sorted(records, key=lambda record: record["start"]):
+            if (
+                latest is not None
+                and record["start"] < latest["end"]
+                and not {record["task_id"], latest["task_id"]} & lost
+            ):
+                violations.append(
+                    Violation(
+                        "task-overlap",
+                        key,
+                        f"tasks {latest['task_id']} and {record['task_id']} ran together "
+                        f"for {latest['end'] - record['start']:.3f}s",
+                        [latest, record],
+                    )
+                )
+            if latest is None or record["end"] > latest["end"]:
+                latest = record
     return violations
 
 

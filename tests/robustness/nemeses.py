@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import contextlib
 import random
-import signal
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import redis
 
@@ -53,12 +53,23 @@ class Schedule:
         return counts
 
 
+class Pausable(Protocol):
+    """A client process the ``client-pause`` nemesis stops and resumes."""
+
+    @property
+    def is_running(self) -> bool: ...
+
+    def pause(self) -> None: ...
+
+    def resume(self) -> None: ...
+
+
 @dataclass
 class Targets:
     """What the nemeses act on."""
 
     nodes: Sequence[RedisServer]
-    clients: Sequence[subprocess.Popen[bytes]]
+    clients: Sequence[Pausable]
     longest_ttl: float
     sentinel: SentinelGroup | None = None
     cut_every: float = 0.0
@@ -169,16 +180,16 @@ class Nemeses:
     def _client_pause(self, rng: random.Random) -> None:
         while self._sleep(rng.uniform(1.0, 4.0)):
             client = rng.choice(self.targets.clients)
-            if client.poll() is not None:
+            if not client.is_running:
                 continue
             stall = rng.uniform(0.1, 2.5)
-            self.schedule.log("client-pause", f"pid {client.pid}", f"{stall:.3f}s")
-            client.send_signal(signal.SIGSTOP)
+            self.schedule.log("client-pause", str(client), f"{stall:.3f}s")
+            client.pause()
             try:
                 time.sleep(stall)  # not cut short: a stopped client must resume
             finally:
-                client.send_signal(signal.SIGCONT)
-            self.schedule.log("client-pause", f"pid {client.pid}", "end")
+                client.resume()
+            self.schedule.log("client-pause", str(client), "end")
 
     def _failover(self, rng: random.Random) -> None:
         group = self.targets.sentinel

@@ -19,6 +19,7 @@ import json
 import os
 import random
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -34,6 +35,8 @@ from celery_redlock.lock.owner import SEPARATOR
 from celery_redlock.testing import RedisNodes, RedisServer
 from tests.topologies.sentinel import SentinelGroup
 
+from .celery_app import LOCK_TTL
+from .celery_workload import CeleryWorkload
 from .checker import Violation, check, leftovers
 from .history import Record, read_history, token_hash
 from .nemeses import NEMESES, Nemeses, Schedule, Targets
@@ -61,6 +64,13 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
         default="all",
         help=f"comma-separated nemeses ({', '.join(NEMESES)}) or a mix ({', '.join(MIXES)}); "
         "'none' for a run without faults",
+    )
+    parser.add_argument(
+        "--mode",
+        choices=("lock", "celery"),
+        default="lock",
+        help="the workload: lock clients (processes x threads), or Celery workers (one prefork, "
+        "one threads pool) running singleton tasks of every duplicate policy fed by a producer",
     )
     parser.add_argument("--nodes", type=int, default=3, help="lock nodes (standalone topology)")
     parser.add_argument(
@@ -211,78 +221,136 @@ def run(
     started = time.monotonic()
     until = started + seconds + HEALTHY_TAIL
     keys = [f"resource-{number}" for number in range(arguments.keys)]
-    exception = "exception" in arguments.nemeses
-    config = Config(
-        urls=topology.urls,
-        keys=keys,
-        threads=arguments.threads,
-        until=until,
-        seed=arguments.seed,
-        history=str(directory),
-        ttl_range=arguments.ttl_range,
-        node_timeout=arguments.node_timeout,
-        wait_replicas=arguments.wait_replicas,
-        fence_redis=store.url,
-        fence_table=table_name if arguments.postgresql != "none" else "",
-        postgresql=arguments.postgresql,
-        interrupt=arguments.interrupt.split(",") if exception else [],
-        fault_scope=arguments.fault_scope,
-        interrupt_every=arguments.interrupt_every or 2000.0,
-        long_holds=arguments.long_holds,
-    )
-    config_path = directory / "config.json"
-    config_path.write_text(json.dumps(dataclasses.asdict(config)))
-    inherited = os.environ.get("PYTHONPATH", "")
-    environment = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), inherited])),
-    }
-    clients = [
-        subprocess.Popen(
-            [sys.executable, "-m", "tests.robustness.workload", str(config_path), str(index)],
-            cwd=ROOT,
-            env=environment,
-            stdout=(directory / f"p{index}.log").open("wb"),
-            stderr=subprocess.STDOUT,
+    workload: LockClients | CeleryWorkload
+    if arguments.mode == "celery":
+        workload = CeleryWorkload(
+            ROOT, directory, store, topology.urls, keys, arguments.seed, arguments.node_timeout
         )
-        for index in range(arguments.processes)
-    ]
-    schedule = Schedule(started)
+    else:
+        workload = LockClients(arguments, topology, store, directory, table_name, keys, until)
+    workload.start()
+    schedule = Schedule(time.monotonic())
     targets = Targets(
-        topology.servers, clients, arguments.ttl_range[1], topology.sentinel, arguments.cut_every
+        topology.servers,
+        workload.clients,
+        arguments.ttl_range[1],
+        topology.sentinel,
+        arguments.cut_every,
     )
     nemeses = Nemeses(arguments.nemeses, arguments.seed, targets, schedule)
     nemeses.start()
-    violations: list[Violation] = []
     try:
         time.sleep(max(until - HEALTHY_TAIL - time.monotonic(), 0))
     finally:
         nemeses.stop()
-    for index, client in enumerate(clients):
-        try:
-            status = client.wait(timeout=max(until - time.monotonic(), 0) + STUCK_AFTER + 10)
-        except subprocess.TimeoutExpired:
-            client.kill()
-            status = client.wait()
-        if status != 0:
-            log = (directory / f"p{index}.log").read_text(errors="replace")
-            stuck = "most recent call first" in log
-            kind, why = (
-                ("client-stuck", "its threads were still waiting")
-                if stuck
-                else (
-                    "client-failed",
-                    f"it ended with status {status}",
-                )
-            )
-            violations.append(Violation(kind, "-", f"client {index}: {why}:\n{log[-6000:]}"))
+    time.sleep(max(until - time.monotonic(), 0))
+    violations = workload.finish()
     checked_at = time.monotonic()
     on_nodes = read_nodes(topology.data_servers(), keys)
     history = read_history(directory)
     violations += check(history)
-    violations += leftovers(on_nodes, history, arguments.ttl_range[1], checked_at)
+    longest = arguments.ttl_range[1] if arguments.mode == "lock" else LOCK_TTL
+    violations += leftovers(on_nodes, history, longest, checked_at)
     violations += library_errors(history)
     return violations, figures(arguments, history, schedule, violations)
+
+
+class ClientProcess:
+    """One `workload` process."""
+
+    def __init__(self, index: int, config_path: Path, directory: Path) -> None:
+        self.index = index
+        self.log = directory / f"p{index}.log"
+        inherited = os.environ.get("PYTHONPATH", "")
+        environment = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), inherited])),
+        }
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "tests.robustness.workload", str(config_path), str(index)],
+            cwd=ROOT,
+            env=environment,
+            stdout=self.log.open("wb"),
+            stderr=subprocess.STDOUT,
+        )
+
+    def __str__(self) -> str:
+        return f"client {self.index} (pid {self.process.pid})"
+
+    @property
+    def is_running(self) -> bool:
+        return self.process.poll() is None
+
+    def pause(self) -> None:
+        self.process.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self.process.send_signal(signal.SIGCONT)
+
+    def finish(self, until: float) -> Violation | None:
+        """Wait for the end; a client that hung or failed is a violation."""
+        try:
+            status = self.process.wait(timeout=max(until - time.monotonic(), 0) + STUCK_AFTER + 10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            status = self.process.wait()
+        if status == 0:
+            return None
+        log = self.log.read_text(errors="replace")
+        if "most recent call first" in log:
+            return Violation(
+                "client-stuck", "-", f"{self}: its threads still waited:\n{log[-6000:]}"
+            )
+        return Violation("client-failed", "-", f"{self} ended with status {status}:\n{log[-6000:]}")
+
+
+class LockClients:
+    """The lock workload: `workload` processes."""
+
+    def __init__(
+        self,
+        arguments: argparse.Namespace,
+        topology: Topology,
+        store: RedisServer,
+        directory: Path,
+        table_name: str,
+        keys: list[str],
+        until: float,
+    ) -> None:
+        exception = "exception" in arguments.nemeses
+        config = Config(
+            urls=topology.urls,
+            keys=keys,
+            threads=arguments.threads,
+            until=until,
+            seed=arguments.seed,
+            history=str(directory),
+            ttl_range=arguments.ttl_range,
+            node_timeout=arguments.node_timeout,
+            wait_replicas=arguments.wait_replicas,
+            fence_redis=store.url,
+            fence_table=table_name if arguments.postgresql != "none" else "",
+            postgresql=arguments.postgresql,
+            interrupt=arguments.interrupt.split(",") if exception else [],
+            fault_scope=arguments.fault_scope,
+            interrupt_every=arguments.interrupt_every or 2000.0,
+            long_holds=arguments.long_holds,
+        )
+        self.config_path = directory / "config.json"
+        self.config_path.write_text(json.dumps(dataclasses.asdict(config)))
+        self.directory = directory
+        self.count = arguments.processes
+        self.until = until
+        self.clients: list[ClientProcess] = []
+
+    def start(self) -> None:
+        self.clients = [
+            ClientProcess(index, self.config_path, self.directory) for index in range(self.count)
+        ]
+
+    def finish(self) -> list[Violation]:
+        ended = [client.finish(self.until) for client in self.clients]
+        return [violation for violation in ended if violation is not None]
 
 
 def read_nodes(
@@ -333,14 +401,16 @@ def figures(
     injected = sum(1 for record in history if record.get("interrupted"))
     if injected:
         faults["exception"] = injected
+    tasks = Counter(record["event"] for record in history if record["op"] == "task")
     kinds = Counter(violation.kind for violation in violations)
     return [
         f"\nfigures ({arguments.minutes} min, seed {arguments.seed}, {describe(arguments)}, "
-        f"{arguments.processes} processes x {arguments.threads} threads, {arguments.keys} keys):",
+        f"{arguments.keys} keys):",
         f"  operations: {len(history)}",
         f"  acquisitions: {dict(outcomes)}",
         f"  holds: {outcomes.get('acquired', 0)}",
         f"  fenced writes: {dict(writes)}",
+        f"  tasks: {dict(tasks)}",
         f"  faults injected: {faults}",
         f"  violations: {dict(kinds) or 0}",
     ]
@@ -363,7 +433,16 @@ def around(history: Sequence[Record], violation: Violation, seconds: float = 0.5
 def reproduce_command(arguments: argparse.Namespace) -> str:
     words = ["nox", "-s", "robustness", "--", "--minutes", str(arguments.minutes)]
     words += ["--seed", str(arguments.seed), "--nemesis", ",".join(arguments.nemeses) or "none"]
-    options = ["topology", "nodes", "replicas", "wait_replicas", "processes", "threads", "keys"]
+    options = [
+        "mode",
+        "topology",
+        "nodes",
+        "replicas",
+        "wait_replicas",
+        "processes",
+        "threads",
+        "keys",
+    ]
     options += ["long_holds", "node_timeout", "interrupt_every", "interrupt", "fault_scope"]
     for option in [*options, "cut_every"]:
         default = parse([]).__dict__[option]
@@ -376,9 +455,12 @@ def reproduce_command(arguments: argparse.Namespace) -> str:
 
 
 def describe(arguments: argparse.Namespace) -> str:
+    nodes = f"{arguments.nodes} nodes"
     if arguments.topology == "sentinel":
-        return (
+        nodes = (
             f"one Sentinel group ({arguments.replicas} replicas, "
             f"wait_replicas {arguments.wait_replicas})"
         )
-    return f"{arguments.nodes} nodes"
+    if arguments.mode == "celery":
+        return f"{nodes}, a prefork and a threads worker"
+    return f"{nodes}, {arguments.processes} processes x {arguments.threads} threads"

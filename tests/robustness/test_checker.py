@@ -204,3 +204,41 @@ def test_leftovers_on_the_nodes(pttl: int, released_at: float | None, expected: 
         history.append(release("a", released_at, "A"))
     found = leftovers([("node", "k", "A", pttl)], history, longest=2.0, checked_at=10.0)
     assert [violation.kind for violation in found] == expected
+
+
+def test_two_runs_of_one_key_at_once_are_an_overlap() -> None:
+    history = [
+        task("sent", "t1", 0.0, 0.0),
+        task("ran", "t1", 0.1, 0.5),
+        task("sent", "t2", 0.0, 0.0),
+        task("ran", "t2", 0.3, 0.6),
+    ]
+    assert kinds(history) == ["task-overlap"]
+
+
+def test_a_run_told_its_lock_was_lost_may_overlap_the_next() -> None:
+    history = [
+        task("sent", "t1", 0.0, 0.0),
+        task("ran", "t1", 0.1, 0.5),
+        task("lost", "t1", 0.2, 0.2),
+        task("sent", "t2", 0.0, 0.0),
+        task("ran", "t2", 0.3, 0.6),
+    ]
+    assert kinds(history) == []
+
+
+@pytest.mark.parametrize(
+    ("released", "expected"), [("released", ["false-skip"]), ("released-unconfirmed", [])]
+)
+def test_a_skip_after_the_holder_released_is_false_unless_the_release_was_unconfirmed(
+    released: str, expected: list[str]
+) -> None:
+    history = [
+        task("sent", "t1", 0.0, 0.0),
+        task("acquired", "t1", 0.05, 0.05),
+        task("ran", "t1", 0.1, 0.2),
+        task(released, "t1", 0.21, 0.21),
+        task("sent", "t2", 0.0, 0.0),
+        task("skipped", "t2", 0.5, 0.5),  # the lock may be on the nodes until 0.21 + its ttl
+    ]
+    assert kinds(history) == expected
