@@ -7,12 +7,17 @@ and certificates the harness makes (`TLSCertificates`): an authority, a server c
 - a wrong authority, a missing client certificate and a hung server: an error that says what is
   wrong, within about ``node_timeout``, never a hang;
 - a Celery worker whose singleton tasks lock (and wait for release notifications) over TLS;
-- ``admin.node_status`` and ``celery redlock status`` over TLS.
+- ``admin.node_status`` and ``celery redlock status`` over TLS;
+- one TLS context per configuration and process: three members' connections, made by 16 threads
+  at once, share one; a forked child makes its own.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import ssl
 import threading
 import time
 from collections.abc import Iterator
@@ -308,3 +313,128 @@ def test_status_names_a_node_whose_certificate_fails_verification(
     assert statuses[2].error is not None and VERIFY_FAILED in statuses[2].error
     assert result.exit_code == 0, result.output  # a majority is reachable
     assert "2 of 3 reachable" in result.output and VERIFY_FAILED in result.output
+
+
+# -- one context per TLS configuration ----------------------------------------------------------
+
+
+class TLSActivity:
+    """Counts kept around the real ``ssl`` functions (nothing else changes): contexts made
+    (``ssl.create_default_context``, which redis-py and the nodes layer call for each context
+    they build) and TLS handshakes under way (``ssl.SSLContext.wrap_socket``, which makes
+    them). Kept in lists, without a lock: a forked child must not find one held."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.made: list[None] = []
+        self.under_way: list[object] = []
+        self.most_under_way = 0
+        make_context, wrap_socket = ssl.create_default_context, ssl.SSLContext.wrap_socket
+        activity = self
+
+        def counting_make_context(*arguments: Any, **options: Any) -> ssl.SSLContext:
+            activity.made.append(None)
+            return make_context(*arguments, **options)
+
+        def counting_wrap_socket(self: ssl.SSLContext, *arguments: Any, **options: Any) -> Any:
+            mark = object()
+            activity.under_way.append(mark)
+            activity.most_under_way = max(activity.most_under_way, len(activity.under_way))
+            try:
+                return wrap_socket(self, *arguments, **options)
+            finally:
+                activity.under_way.remove(mark)
+
+        monkeypatch.setattr(ssl, "create_default_context", counting_make_context)
+        monkeypatch.setattr(ssl.SSLContext, "wrap_socket", counting_wrap_socket)
+
+    @property
+    def contexts_made(self) -> int:
+        """How many contexts were made so far."""
+        return len(self.made)
+
+    @property
+    def handshakes_under_way(self) -> int:
+        """How many handshakes are under way now."""
+        return len(self.under_way)
+
+
+def first_calls(redlock: Redlock, threads: int, resource: str) -> list[float]:
+    """``threads`` threads released at once each acquire (and then release) a lock of their own:
+    the seconds each acquisition took."""
+    start = threading.Barrier(threads)
+    seconds: list[float] = []
+    failed: list[str] = []
+
+    def call(number: int) -> None:
+        start.wait()
+        started = time.perf_counter()
+        lock = redlock.acquire(f"{resource}:{number}", 10)
+        seconds.append(time.perf_counter() - started)
+        if lock is None or not redlock.release(lock):
+            failed.append(f"thread {number}: {lock}")
+
+    callers = [threading.Thread(target=call, args=(number,)) for number in range(threads)]
+    for caller in callers:
+        caller.start()
+    for caller in callers:
+        caller.join(30)
+    assert failed == [] and len(seconds) == threads, failed
+    return seconds
+
+
+def test_first_calls_of_16_threads_make_one_context_for_three_members(
+    mutual_servers: list[RedisServer],
+    certificates: TLSCertificates,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    urls = [tls_url(server, certificates.ca_certificate, certificates) for server in mutual_servers]
+    activity = TLSActivity(monkeypatch)
+    redlock = Redlock(urls, node_timeout=NODE_TIMEOUT)
+    try:
+        first_calls(redlock, 16, "tls:first")
+        # Later connections (a server that closed them, a probe) take the same context.
+        redlock.close()
+        first_calls(redlock, 16, "tls:again")
+    finally:
+        redlock.close()
+    assert activity.contexts_made == 1  # one per connection before: 3, then 6
+
+
+@pytest.mark.filterwarnings(
+    "ignore:This process .* is multi-threaded, use of fork:DeprecationWarning"
+)
+def test_a_forked_child_makes_its_own_context(
+    mutual_servers: list[RedisServer],
+    certificates: TLSCertificates,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A child does not use the context it inherited (a lock of OpenSSL's inside it that a
+    thread of the parent held at the fork would stay held): its first calls make one of its own,
+    once; the parent keeps using its own."""
+    urls = [tls_url(server, certificates.ca_certificate, certificates) for server in mutual_servers]
+    activity = TLSActivity(monkeypatch)
+    redlock = Redlock(urls, node_timeout=NODE_TIMEOUT)
+    try:
+        first_calls(redlock, 1, "tls:parent")
+        made_before = activity.contexts_made
+        child = os.fork()
+        if child == 0:
+            code = 3
+            try:
+                signal.signal(signal.SIGALRM, signal.SIG_DFL)
+                signal.alarm(20)  # a child that hangs is killed
+                first_calls(redlock, 16, "tls:child")
+                code = 0 if activity.contexts_made == made_before + 1 else 1
+            finally:
+                os._exit(code)
+        deadline = time.monotonic() + 30
+        while (ended := os.waitpid(child, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if ended[0] == 0:
+            os.kill(child, signal.SIGKILL)
+            os.waitpid(child, 0)
+        assert ended[0] == child and os.waitstatus_to_exitcode(ended[1]) == 0, ended
+        first_calls(redlock, 1, "tls:parent-again")
+    finally:
+        redlock.close()
+    assert activity.contexts_made == 1  # the parent's, for all its connections
