@@ -7,12 +7,20 @@ and certificates the harness makes (`TLSCertificates`): an authority, a server c
 - a wrong authority, a missing client certificate and a hung server: an error that says what is
   wrong, within about ``node_timeout``, never a hang;
 - a Celery worker whose singleton tasks lock (and wait for release notifications) over TLS;
-- ``admin.node_status`` and ``celery redlock status`` over TLS.
+- ``admin.node_status`` and ``celery redlock status`` over TLS;
+- one TLS context per configuration and process: three members' connections, made by 16 threads
+  at once, share one; a forked child makes its own;
+- a first call connects to every member at once (what that saves is measured by
+  benchmarks/bench_tls_first_call.py: wall time is too noisy on a busy machine to assert).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import secrets
+import signal
+import ssl
 import threading
 import time
 from collections.abc import Iterator
@@ -308,3 +316,176 @@ def test_status_names_a_node_whose_certificate_fails_verification(
     assert statuses[2].error is not None and VERIFY_FAILED in statuses[2].error
     assert result.exit_code == 0, result.output  # a majority is reachable
     assert "2 of 3 reachable" in result.output and VERIFY_FAILED in result.output
+
+
+# -- one context per TLS configuration ----------------------------------------------------------
+
+
+class TLSActivity:
+    """Counts kept around the real ``ssl`` functions (nothing else changes): contexts made
+    (``ssl.create_default_context``, which redis-py and the nodes layer call for each context
+    they build) and TLS handshakes under way (``ssl.SSLContext.wrap_socket``, which makes
+    them). Kept in lists, without a lock: a forked child must not find one held."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.made: list[None] = []
+        self.under_way: list[str] = []  # the names of the threads handshaking
+        self.most_under_way = 0
+        make_context, wrap_socket = ssl.create_default_context, ssl.SSLContext.wrap_socket
+        activity = self
+
+        def counting_make_context(*arguments: Any, **options: Any) -> ssl.SSLContext:
+            activity.made.append(None)
+            return make_context(*arguments, **options)
+
+        def counting_wrap_socket(self: ssl.SSLContext, *arguments: Any, **options: Any) -> Any:
+            mark = threading.current_thread().name
+            activity.under_way.append(mark)
+            activity.most_under_way = max(activity.most_under_way, len(activity.under_way))
+            try:
+                return wrap_socket(self, *arguments, **options)
+            finally:
+                activity.under_way.remove(mark)
+
+        monkeypatch.setattr(ssl, "create_default_context", counting_make_context)
+        monkeypatch.setattr(ssl.SSLContext, "wrap_socket", counting_wrap_socket)
+
+    @property
+    def contexts_made(self) -> int:
+        """How many contexts were made so far."""
+        return len(self.made)
+
+    @property
+    def handshakes_under_way(self) -> int:
+        """How many handshakes are under way now."""
+        return len(self.under_way)
+
+
+def first_calls(redlock: Redlock, threads: int, resource: str) -> list[float]:
+    """``threads`` threads released at once each acquire (and then release) a lock of their own
+    (named anew on every call: a release a busy node answered late may still be owed to it):
+    the seconds each acquisition took; every acquisition and release must succeed."""
+    resource = f"{resource}:{secrets.token_hex(4)}"
+    start = threading.Barrier(threads)
+    seconds: list[float] = []
+    failed: list[str] = []
+
+    def call(number: int) -> None:
+        start.wait()
+        started = time.perf_counter()
+        try:
+            lock = redlock.acquire(f"{resource}:{number}", 10)
+        except QuorumUnavailable as error:
+            seconds.append(time.perf_counter() - started)
+            failed.append(f"thread {number}: {error}")
+            return
+        seconds.append(time.perf_counter() - started)
+        if lock is None or not redlock.release(lock):
+            failed.append(f"thread {number}: {lock}")
+
+    callers = [threading.Thread(target=call, args=(number,)) for number in range(threads)]
+    for caller in callers:
+        caller.start()
+    for caller in callers:
+        caller.join(30)
+    assert failed == [] and len(seconds) == threads, failed
+    return seconds
+
+
+def test_first_calls_of_16_threads_make_one_context_for_three_members(
+    mutual_servers: list[RedisServer],
+    certificates: TLSCertificates,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    urls = [tls_url(server, certificates.ca_certificate, certificates) for server in mutual_servers]
+    activity = TLSActivity(monkeypatch)
+    redlock = Redlock(urls, node_timeout=NODE_TIMEOUT)
+    try:
+        first_calls(redlock, 16, "tls:first")
+        # Later connections (a server that closed them, a probe) take the same context.
+        redlock.close()
+        first_calls(redlock, 16, "tls:again")
+    finally:
+        redlock.close()
+    assert activity.contexts_made == 1  # 7 before: one per connection
+
+
+@pytest.mark.filterwarnings(
+    "ignore:This process .* is multi-threaded, use of fork:DeprecationWarning"
+)
+def test_a_forked_child_makes_its_own_context(
+    mutual_servers: list[RedisServer],
+    certificates: TLSCertificates,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A child does not use the context it inherited (a lock of OpenSSL's inside it that a
+    thread of the parent held at the fork would stay held): its first calls make one of its own,
+    once; the parent keeps using its own."""
+    urls = [tls_url(server, certificates.ca_certificate, certificates) for server in mutual_servers]
+    activity = TLSActivity(monkeypatch)
+    redlock = Redlock(urls, node_timeout=NODE_TIMEOUT)
+    try:
+        first_calls(redlock, 1, "tls:parent")
+        made_before = activity.contexts_made
+        child = os.fork()
+        if child == 0:
+            code = 3
+            try:
+                signal.signal(signal.SIGALRM, signal.SIG_DFL)
+                signal.alarm(20)  # a child that hangs is killed
+                first_calls(redlock, 16, "tls:child")
+                code = 0 if activity.contexts_made == made_before + 1 else 1
+            finally:
+                os._exit(code)
+        deadline = time.monotonic() + 30
+        while (ended := os.waitpid(child, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if ended[0] == 0:
+            os.kill(child, signal.SIGKILL)
+            os.waitpid(child, 0)
+        assert ended[0] == child and os.waitstatus_to_exitcode(ended[1]) == 0, ended
+        first_calls(redlock, 1, "tls:parent-again")
+    finally:
+        redlock.close()
+    assert activity.contexts_made == 1  # the parent's, for all its connections
+
+
+# -- every member connected at once -------------------------------------------------------------
+
+
+def test_a_first_call_connects_to_every_member_at_once(
+    mutual_servers: list[RedisServer],
+    certificates: TLSCertificates,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Stopped servers (SIGSTOP: the kernel still accepts) hold every handshake: the first call
+    has all three under way at once, where it used to wait out one before starting the next."""
+    urls = [tls_url(server, certificates.ca_certificate, certificates) for server in mutual_servers]
+    activity = TLSActivity(monkeypatch)
+    redlock = Redlock(urls, node_timeout=5.0)  # longer than the handshakes are held
+    taken: list[Any] = []
+    caller = threading.Thread(target=lambda: taken.append(redlock.acquire("tls:at-once", 10)))
+
+    def its_handshakes() -> int:
+        # Those of the caller and its helpers: not those of earlier tests' probes.
+        return sum(
+            name == caller.name or name.startswith("celery-redlock connect")
+            for name in list(activity.under_way)
+        )
+
+    seen = [0]
+    for server in mutual_servers:
+        server.pause()
+    try:
+        caller.start()
+        all_at_once = wait_until(lambda: seen.append(its_handshakes()) or seen[-1] == 3, 4.0)
+    finally:
+        for server in mutual_servers:
+            server.resume()
+        caller.join(15)
+    try:
+        assert all_at_once, f"at most {max(seen)} of 3 handshakes at once"
+        assert taken and taken[0] is not None  # the servers answer once resumed
+        assert redlock.release(taken[0])
+    finally:
+        redlock.close()

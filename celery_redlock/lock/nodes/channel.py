@@ -251,6 +251,21 @@ class Channel:
             raise error
         return failed
 
+    def open(self) -> None:
+        """Connect now, unless connected or the server is backed off (a failure backs it off, and
+        the next command fails with the reason): for several connections opened at once
+        (`nodes.reactor.Connections.open`). The greeting goes out with the next write, or the
+        reader, woken, writes it."""
+        with self.lock:
+            if self.socket is not None or self.endpoint.is_backed_off(time.monotonic()):
+                return
+            try:
+                self._connect_locked()
+            except (RedisClientError, OSError) as error:
+                self.endpoint.mark_down(time.monotonic(), error)
+                return
+            self.poller.connection_opened()
+
     def _connect_locked(self) -> None:
         sock = self.endpoint.open_socket()
         try:

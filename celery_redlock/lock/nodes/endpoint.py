@@ -30,13 +30,14 @@ from typing import Any
 import redis
 from redis._parsers import _RESP2Parser
 from redis.backoff import NoBackoff
-from redis.connection import AbstractConnection, Connection, ConnectionPool
+from redis.connection import AbstractConnection, Connection, ConnectionPool, SSLConnection
 from redis.exceptions import ClusterDownError, OutOfMemoryError, ResponseError, TryAgainError
 from redis.exceptions import RedisError as RedisClientError
 from redis.retry import Retry
 
 from ...errors import ConfigurationError
 from ...settings import has_credentials, redact_url
+from .tls import TLSConnection, TLSContexts
 
 logger = logging.getLogger(__name__)
 
@@ -150,11 +151,19 @@ class Endpoint:
 
     @classmethod
     def from_url(
-        cls, url: str, node_timeout: float, username: str | None = None, password: str | None = None
+        cls,
+        url: str,
+        node_timeout: float,
+        username: str | None = None,
+        password: str | None = None,
+        tls_contexts: TLSContexts | None = None,
     ) -> Endpoint:
         """The server a ``redis://``, ``rediss://`` or ``unix://`` URL names, reached with
-        ``node_timeout`` for connecting and every read, no retries, RESP2, no CLIENT SETINFO;
-        ``username`` and ``password`` where the URL names no credentials."""
+        ``node_timeout`` for connecting and every read, no retries, RESP2, no CLIENT SETINFO.
+
+        ``username``, ``password``: the credentials where the URL names none.
+        ``tls_contexts``: where a ``rediss://`` server takes its TLS context, shared with the
+        servers of the same TLS options (by default one of its own)."""
         credentials = {} if has_credentials(url) else {"username": username, "password": password}
         try:
             pool = ConnectionPool.from_url(
@@ -180,7 +189,11 @@ class Endpoint:
         # handshake read nothing (no CLIENT SETINFO, no AUTH), and drops every new TLS connection of
         # a pool ("Connection not ready"). The nodes layer's own connections parse with `resp`.
         options["parser_class"] = _RESP2Parser
-        return cls(redact_url(url), pool.connection_class, options)
+        connection_class: type[AbstractConnection] = pool.connection_class
+        if connection_class is SSLConnection:
+            connection_class = TLSConnection
+            options["tls_context"] = (tls_contexts or TLSContexts()).for_options(options)
+        return cls(redact_url(url), connection_class, options)
 
     def at(self, host: str, port: int) -> Endpoint:
         """Another server with the same connection options (credentials, TLS, timeouts)."""

@@ -21,7 +21,7 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Generator
+from collections.abc import Generator, Sequence
 
 from ..scripts import LOADED_ON_CONNECT
 from .channel import Channel, Slot, wait_readable
@@ -75,6 +75,9 @@ class Reactor:
         self._wake_reader_read, self._wake_reader_write = os.pipe()
         os.set_blocking(self._wake_reader_read, False)
         os.set_blocking(self._wake_reader_write, False)
+        # Under eventlet, a second green thread writing the pipe while a first waits to is an
+        # error: connections opened at once (`Connections.open`) wake the reader one at a time.
+        self._wake_reader_guard = threading.Lock()
 
     def add_channel(self, channel: Channel | Subscriber, writer: Channel | None = None) -> None:
         """Read ``channel`` too from now on; ``writer`` (the channel itself, when it leaves
@@ -87,7 +90,7 @@ class Reactor:
 
     def connection_opened(self) -> None:
         """A channel opened a new connection: a reader polling now must poll it as well."""
-        with contextlib.suppress(OSError):  # the pipe is full: the reader is woken anyway
+        with self._wake_reader_guard, contextlib.suppress(OSError):  # full: woken anyway
             os.write(self._wake_reader_write, b"x")
 
     def wait(
@@ -223,6 +226,35 @@ class Connections:
                     reactor.add_channel(channel, channel)
                     self.channels[id(endpoint)] = channel
         return channel
+
+    def open(self, endpoints: Sequence[Endpoint]) -> None:
+        """Open the connections to ``endpoints`` not open yet all at once, each in a thread of
+        its own but one in the caller's: a round's first call costs one connection's set-up
+        (a TLS handshake), not one per member. A connection is opened whole or not at all in
+        each thread; one interrupted in the caller's (a signal handler raising) is closed
+        (`Endpoint.open_socket`), and the others are opened all the same."""
+        # A channel whose lock is held while it has no connection is being connected by
+        # another thread: the first command waits for that connection, in parallel with these.
+        closed = [
+            channel
+            for channel in map(self.channel, endpoints)
+            if channel.socket is None and not channel.lock.locked()
+        ]
+        if len(closed) < 2:
+            return  # opened by its first command
+        helpers = [
+            threading.Thread(
+                target=channel.open,
+                name=f"celery-redlock connect {channel.endpoint.name}",
+                daemon=True,
+            )
+            for channel in closed[1:]
+        ]
+        for helper in helpers:
+            helper.start()
+        closed[0].open()
+        for helper in helpers:
+            helper.join()
 
     def subscriber(self, endpoint: Endpoint) -> Subscriber:
         """The release-notification connection to ``endpoint`` (made on first use)."""

@@ -203,14 +203,18 @@ class Round(Waiting):
         now = time.monotonic()
         self.outstanding = len(self.nodes)  # before any slot is sent: nobody delivers yet
         skipped: list[tuple[int, LockNode, Endpoint | None]] = []
-        lateness: list[float] = []
+        sending: list[tuple[int, LockNode, Endpoint]] = []
         for index, node in enumerate(self.nodes):
             endpoint = endpoint_of(node, self.key)
             if endpoint is None or endpoint.is_backed_off(now):
                 skipped.append((index, node, endpoint))
             else:
-                lateness.append(endpoint.lateness)
-                self._send(index, node, endpoint, packed, asking=False)
+                sending.append((index, node, endpoint))
+        self.connections.open([endpoint for _, _, endpoint in sending])
+        lateness: list[float] = []
+        for index, node, endpoint in sending:
+            lateness.append(endpoint.lateness)
+            self._send(index, node, endpoint, packed, asking=False)
         if skipped:
             self._skip(skipped, packed)
         self.patience = patience(self.node_timeout, lateness, self.quorum)

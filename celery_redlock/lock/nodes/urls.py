@@ -20,6 +20,7 @@ from .cluster import ClusterNode
 from .endpoint import Endpoint
 from .members import LockNode, StandaloneNode
 from .sentinel import SentinelNode
+from .tls import TLSContexts
 
 
 def members_from_urls(
@@ -33,8 +34,10 @@ def members_from_urls(
     ``username`` and ``password`` apply where a URL names no credentials, ``wait_replicas`` to
     Cluster and Sentinel members."""
 
+    tls_contexts = TLSContexts()  # members with the same TLS options share one context
+
     def server(url: str) -> Endpoint:
-        return Endpoint.from_url(url, node_timeout, username, password)
+        return Endpoint.from_url(url, node_timeout, username, password, tls_contexts)
 
     members: list[LockNode] = []
     for url in urls:
@@ -47,7 +50,11 @@ def members_from_urls(
             parts = MultiHostURL.parse(url)
             service, _, database = parts.path.strip("/").partition("/")
             sentinels = [
-                Endpoint.from_url(parts.server_url(host, port, sentinel=True), node_timeout)
+                Endpoint.from_url(
+                    parts.server_url(host, port, sentinel=True),
+                    node_timeout,
+                    tls_contexts=tls_contexts,
+                )
                 for host, port in parts.hosts
             ]
             host, port = parts.hosts[0]
