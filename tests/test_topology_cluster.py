@@ -22,7 +22,7 @@ from celery_apps.support import RunLog, embedded_worker, make_app
 from cli_support import as_json, invoke
 from redlock_support import run_together, value_on, wait_until
 from topologies import RedisCluster, SlotMigration
-from topology_support import Rival, lock_managers, unique
+from topology_support import HoldThroughFailover, Rival, lock_managers, unique
 
 from celery_redlock import (
     DuplicateSkipped,
@@ -325,6 +325,26 @@ def test_a_cluster_failover_keeps_the_held_lock(cluster: RedisCluster) -> None:
         assert value_on(new, neighbour.key) == neighbour.value
         assert rival_manager.release(again)
         assert rival_manager.release(neighbour)
+
+
+@pytest.mark.parametrize("mode", [None, "TAKEOVER"])
+def test_a_cluster_failover_under_a_kept_lock_never_makes_a_second_holder(
+    cluster: RedisCluster, mode: str | None
+) -> None:
+    # A lock kept alive by the keeper (ttl 1 s) while contenders try every 10 ms: a graceful
+    # CLUSTER FAILOVER (the master pauses its writers until the replica caught up, then learns
+    # of the switch at once) and a TAKEOVER (the replica takes the slots without the master's
+    # consent: the master keeps serving them until it hears of it) alike.
+    resource = resource_with_replica(cluster, "kept failover")
+    slot = cluster.key_slot(key_of(resource))
+    with HoldThroughFailover([cluster.url], 1.0, resource=resource) as hold:
+        hold.watch(0.5)
+        new = cluster.failover(cluster.slot_owner(slot), mode=mode)
+        hold.watch(2.0)
+        assert hold.overlaps == []
+        if hold.lost_at is None:
+            assert value_on(new, hold.lock.key) == hold.lock.value
+    cluster.wait_until_stable()
 
 
 def migrating_lock(

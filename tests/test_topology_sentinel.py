@@ -6,6 +6,7 @@ acknowledged it. Seconds each: marked ``topology``.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,7 +15,7 @@ from celery import Celery
 from redlock_support import value_on, wait_until
 from reply_faults import LateReadingSocket
 from topologies import SentinelGroup
-from topology_support import Rival, lock_managers, unique
+from topology_support import HoldThroughFailover, Rival, lock_managers, unique
 
 from celery_redlock import Redlock, admin
 from celery_redlock.errors import RedlockError
@@ -23,6 +24,7 @@ from celery_redlock.lock.outcomes import Acquired, Held, Unavailable
 from celery_redlock.testing import RedisNodes, RedisServer
 
 pytestmark = pytest.mark.topology
+LISTENING = "celery-redlock announcements"
 
 
 @pytest.fixture(scope="module")
@@ -169,6 +171,90 @@ def test_a_killed_master_is_replaced_under_a_held_lock() -> None:
         assert again is not None
         assert value_on(new, again.key) == again.value
         assert holder.release(again)
+
+
+def test_a_sentinel_node_listens_to_every_sentinel_until_closed(group: SentinelGroup) -> None:
+    def listening() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name.startswith(LISTENING)}
+
+    before = listening()  # other tests' lock managers, not closed yet
+    with lock_managers([group.url], count=1) as (manager,):
+        assert taken(manager, unique("listening"))
+        (node,) = manager.nodes
+        assert isinstance(node, sentinel.SentinelNode)
+        assert wait_until(node.announcements.heard_all, timeout=5.0)
+        assert len(listening() - before) == len(group.sentinels)
+    # Closed: the threads end within a wait for an announcement.
+    assert wait_until(lambda: not listening() - before, sentinel.LISTEN_SECONDS + 2.0)
+
+
+def test_a_sentinel_that_stops_answering_is_no_longer_counted_as_heard(
+    group: SentinelGroup,
+) -> None:
+    # A subscription whose connection died unannounced (a frozen sentinel, a firewall that
+    # forgot the connection) hears nothing: an unanswered PING tells, and until the sentinel is
+    # heard again the member asks the sentinels before every grant.
+    with lock_managers([group.url], count=1) as (manager,):
+        assert taken(manager, unique("heard"))
+        (node,) = manager.nodes
+        assert isinstance(node, sentinel.SentinelNode)
+        assert wait_until(node.announcements.heard_all, timeout=5.0)
+        frozen = group.sentinels[0]
+        frozen.pause()
+        try:
+            assert wait_until(
+                lambda: not node.announcements.heard_all(), sentinel.SILENT_SECONDS + 3.0
+            )
+            assert taken(manager, unique("while deaf"))  # the others answer
+        finally:
+            frozen.resume()
+        assert wait_until(node.announcements.heard_all, timeout=10.0)
+
+
+@pytest.mark.parametrize(
+    ("event", "text", "service"),
+    [
+        ("+switch-master", "locks 10.0.0.5 6379 10.0.0.6 6380", "locks"),
+        ("+try-failover", "master locks 10.0.0.5 6379", "locks"),
+        ("+selected-slave", "slave 10.0.0.6:6380 10.0.0.6 6380 @ locks 10.0.0.5 6379", "locks"),
+        ("+failover-end", "master other 10.0.0.5 6379", "other"),
+        ("+odown", "sentinel 10.0.0.7:26379 10.0.0.7 26379", ""),
+    ],
+)
+def test_an_announcement_names_its_service(event: str, text: str, service: str) -> None:
+    assert sentinel.announced_service(event, text) == service
+
+
+@pytest.mark.parametrize(
+    ("ttl", "heard"), [(1.0, True), (3.0, True), (1.0, False)], ids=["1s", "3s", "1s-deaf"]
+)
+def test_a_failover_under_a_kept_lock_never_makes_a_second_holder(
+    ttl: float, heard: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The old master keeps accepting writes for seconds after the sentinels promoted its
+    # replica: an extension counted there is not on the new master, where the lock expires and
+    # contenders take it while the holder goes on. Heard as it starts (the sentinels' events),
+    # a failover stops the holder's extensions from counting until the sentinels name the new
+    # master, where a lock that lasted that long is extended as it was; a shorter one is lost
+    # before anybody else can take it. A process that cannot hear the sentinels (not
+    # ``heard``) asks them before every grant and extension.
+    if not heard:
+        monkeypatch.setattr(sentinel.Announcements, "listen", lambda self: None)
+    with (
+        SentinelGroup(replicas=1) as group,
+        HoldThroughFailover([group.url], ttl) as hold,
+    ):
+        hold.watch(ttl / 2)
+        new = group.failover()
+        hold.watch(ttl + 1.0)
+        assert hold.overlaps == []
+        if hold.lost_at is not None:
+            # The sentinels name the new master about a second after the failover began: a 1 s
+            # lock is usually lost by then, and the contenders take it once it is.
+            assert ttl < 2.0 and hold.granted_at
+        else:
+            assert hold.granted_at == []
+            assert value_on(new, hold.lock.key) == hold.lock.value
 
 
 # -- redlock_wait_replicas -------------------------------------------------------------------------

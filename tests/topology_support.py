@@ -4,6 +4,7 @@ over under its holder."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import uuid
@@ -12,6 +13,7 @@ from contextlib import contextmanager
 from types import TracebackType
 
 from celery_redlock import Redlock, RedlockSettings
+from celery_redlock.lock.keeper import KeptLock, LockKeeper
 from celery_redlock.lock.outcomes import Acquired, Lock
 from celery_redlock.lock.redlock import from_settings
 
@@ -100,3 +102,103 @@ class Rival:
                     self.granted_while_valid.append(outcome.lock)
                 self.manager.release(outcome.lock)
             self._stop.wait(0.02)
+
+
+class HoldThroughFailover:
+    """A holder kept alive by the lock keeper (as a running task's lock is) and ``contenders``
+    threads, each with its own lock manager, trying to take the same lock every 10 ms, while a
+    test fails the holder's servers over. Records every grant a contender got while the holder
+    still believed it held (its validity not over and no loss reported): a second holder.
+
+    Example::
+
+        with HoldThroughFailover(urls, ttl=1.0) as hold:
+            group.failover()
+            hold.watch(seconds=4.0)
+        assert hold.overlaps == []
+    """
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        ttl: float,
+        *,
+        contenders: int = 4,
+        wait_replicas: int = 0,
+        resource: str = "",
+    ) -> None:
+        self.urls = urls
+        self.ttl = ttl
+        self.contenders = contenders
+        self.wait_replicas = wait_replicas
+        self.resource = resource or unique("failover-hold")
+        self.lost_at: float | None = None
+        self.granted_at: list[float] = []
+        self.overlaps: list[str] = []
+        self.errors: list[BaseException] = []
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._managers: contextlib.ExitStack = contextlib.ExitStack()
+        self.started = 0.0
+
+    def __enter__(self) -> HoldThroughFailover:
+        (holder,) = self._managers.enter_context(
+            lock_managers(self.urls, 1, wait_replicas=self.wait_replicas)
+        )
+        others = self._managers.enter_context(
+            lock_managers(self.urls, self.contenders, wait_replicas=self.wait_replicas)
+        )
+        self.keeper = LockKeeper(holder)
+        lock = holder.acquire(self.resource, self.ttl, owner="holder")
+        assert lock is not None, "the holder did not get the lock"
+        self.lock = lock
+        self.kept = self.keeper.keep(lock, self._lost)
+        for manager in others:
+            assert not isinstance(manager.attempt(self.resource, 10.0, rounds=1), Acquired)
+            thread = threading.Thread(target=self._contend, args=(manager,), daemon=True)
+            self._threads.append(thread)
+            thread.start()
+        self.started = time.monotonic()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(10)
+        self.keeper.stop(self.kept)
+        self._managers.close()
+
+    def holds(self) -> bool:
+        """Whether the holder believes it holds the lock now."""
+        return self.lost_at is None and time.monotonic() < self.lock.valid_until
+
+    def watch(self, seconds: float) -> None:
+        """Let the contenders try for ``seconds`` more."""
+        self._stop.wait(seconds)
+        assert not self.errors, self.errors
+
+    def _lost(self, kept: KeptLock) -> None:
+        self.lost_at = time.monotonic()
+
+    def _contend(self, manager: Redlock) -> None:
+        while not self._stop.is_set():
+            try:
+                outcome = manager.attempt(self.resource, self.ttl, "contender", rounds=1)
+            except BaseException as error:
+                self.errors.append(error)
+                return
+            if isinstance(outcome, Acquired):
+                now = time.monotonic()
+                self.granted_at.append(now - self.started)
+                if self.holds():
+                    self.overlaps.append(
+                        f"granted at {now - self.started:.3f}s while the holder believed it"
+                        f" held until {self.lock.valid_until - self.started:.3f}s"
+                    )
+                manager.release(outcome.lock)
+            self._stop.wait(0.01)

@@ -201,6 +201,7 @@ class Redlock:
         for round_number in range(rounds):
             if round_number:
                 time.sleep(jittered(self._settings.retry_delay))
+            self._group.confirm()
             started = time.monotonic()
             clock = time.time_ns() // 1000
             arguments: list[str | int] = [value, ttl_ms, clock, acquisition.replaces, *extra]
@@ -363,6 +364,9 @@ class Redlock:
         """
         ttl = lock.ttl if ttl is None else ttl
         check_ttl(self, ttl)
+        if lock.valid_until <= time.monotonic():
+            return False
+        self._group.confirm(extension=True)
         started = time.monotonic()
         if lock.valid_until <= started:
             return False

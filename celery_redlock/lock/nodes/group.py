@@ -67,7 +67,10 @@ class NodeGroup:
         return connections
 
     def close(self) -> None:
-        """Close this process's connections to the servers; later rounds open new ones."""
+        """Close this process's connections to the servers and stop the members' background
+        work; later rounds open and start them again."""
+        for node in self.nodes:
+            node.close()
         connections = self._connections
         if connections.pid == os.getpid():
             deliver(connections.reactor, connections.close())
@@ -109,6 +112,12 @@ class NodeGroup:
             round_.finish()
             raise
         return round_.finish()
+
+    def confirm(self, extension: bool = False) -> None:
+        """Before a round that grants a lock (``extension``: extends one): every member makes
+        sure that what it knows of its master is current (`LockNode.confirm`)."""
+        for node in self.nodes:
+            node.confirm(extension)
 
     def forgive(self, key: str, value: str) -> None:
         """Drop the clean-ups owed for ``value`` at ``key``, as a round is about to set it

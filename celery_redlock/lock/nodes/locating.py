@@ -47,6 +47,40 @@ def first_answer(candidates: Sequence[Endpoint], ask: Callable[[Endpoint], Answe
     raise RedlockError("; ".join(errors) or "nobody to ask")
 
 
+def every_answer(
+    candidates: Sequence[Endpoint], ask: Callable[[Endpoint], Answer], patience: float
+) -> list[Answer]:
+    """Ask every candidate at once (a thread each) and return the answers given within
+    ``patience`` seconds; ``ask`` raises when a candidate has none. Raises `RedlockError` naming
+    each candidate's failure when none answers."""
+    answers: queue.Queue[tuple[Endpoint, Answer | None, str]] = queue.Queue()
+
+    def run(candidate: Endpoint) -> None:
+        try:
+            answers.put((candidate, ask(candidate), ""))
+        except Exception as error:
+            answers.put((candidate, None, str(error)))
+
+    for candidate in candidates:
+        threading.Thread(target=run, args=(candidate,), daemon=True).start()
+    deadline = time.monotonic() + patience
+    given: list[Answer] = []
+    errors = []
+    for _ in candidates:
+        try:
+            candidate, answer, error = answers.get(timeout=max(deadline - time.monotonic(), 0))
+        except queue.Empty:
+            errors.append(f"no answer within {patience:.3g}s")
+            break
+        if answer is not None:
+            given.append(answer)
+        else:
+            errors.append(f"{candidate.name}: {error}")
+    if not given:
+        raise RedlockError("; ".join(errors) or "nobody to ask")
+    return given
+
+
 class Locator:
     """Runs ``look`` (which raises when it cannot find out) in the background, on first use and
     on request; callers wait for a first look at most ``patience`` seconds from its start."""
@@ -60,6 +94,7 @@ class Locator:
         self._looked_at = 0.0
         # No lock: one held by another thread at a fork would stay held in the child for ever.
         self._looking_pid = 0
+        self._again = False  # a look was asked for while one was under way
         self._finished = threading.Event()
 
     def ensure(self, wait_for_the_look: bool = False) -> bool:
@@ -79,23 +114,45 @@ class Locator:
         if self.located and time.monotonic() - self._looked_at >= seconds:
             self.relocate()
 
-    def relocate(self) -> None:
-        """Look again in the background (unless a look is under way or was just made)."""
+    def relocate(self, again: bool = False) -> None:
+        """Look again in the background, unless a look is under way or was just made; ``again``
+        (what the member heard may have changed where its keys live): after the look under way,
+        or once `RELOCATE_INTERVAL_SECONDS` have passed since the last one."""
         pid = os.getpid()
-        just_looked = time.monotonic() - self._looked_at < RELOCATE_INTERVAL_SECONDS
-        if self._looking_pid == pid or just_looked:
+        if again:
+            self._again = True
+        now = time.monotonic()
+        just_looked = now - self._looked_at < RELOCATE_INTERVAL_SECONDS
+        if self._looking_pid == pid or (just_looked and not again):
             return
         self._looking_pid = pid
-        self._looked_at = time.monotonic()
+        starts_at = self._looked_at + RELOCATE_INTERVAL_SECONDS if just_looked else now
+        self._looked_at = starts_at  # before the thread runs: `ensure` waits from it
         self._finished = finished = threading.Event()
         threading.Thread(
             target=self._run,
-            args=(finished,),
+            args=(finished, starts_at),
             name=f"celery-redlock locate {self.name}",
             daemon=True,
         ).start()
 
-    def _run(self, finished: threading.Event) -> None:
+    def _run(self, finished: threading.Event, starts_at: float) -> None:
+        try:
+            while True:
+                time.sleep(max(starts_at - time.monotonic(), 0))
+                self._again = False
+                self._look_once()
+                if not self._again:
+                    return
+                # Asked again meanwhile: looks are at most one every interval.
+                starts_at = self._looked_at = max(
+                    self._looked_at + RELOCATE_INTERVAL_SECONDS, time.monotonic()
+                )
+        finally:
+            self._looking_pid = 0
+            finished.set()
+
+    def _look_once(self) -> None:
         try:
             self._look()
         except Exception as error:  # the member stays where it was last seen
@@ -105,6 +162,3 @@ class Locator:
         else:
             self.located = True
             self.last_error = ""
-        finally:
-            self._looking_pid = 0
-            finished.set()

@@ -59,6 +59,21 @@ class LockNode:
         """Take note that ``endpoint`` did not answer (a cluster learns its slot map anew: a
         master that fails may have been replaced by its replica)."""
 
+    def vouches_for(self, endpoint: Endpoint) -> str:
+        """Why a grant or an extension ``endpoint`` just made does not count (empty when it
+        does): it is no longer the master of the member's keys, or a failover is under way (a
+        replaced master keeps accepting writes the new one never sees)."""
+        return ""
+
+    def confirm(self, extension: bool) -> None:
+        """Before a round that grants a lock (``extension``: extends one), make sure that what
+        the member knows of its master is current (a Sentinel member that cannot hear every
+        sentinel asks them now; before an extension it always does)."""
+
+    def close(self) -> None:
+        """Stop what the member runs in the background in this process (a later use starts it
+        again)."""
+
 
 class StandaloneNode(LockNode):
     """One independent Redis (or Valkey) server: ``redis://``, ``rediss://`` or ``unix://``."""

@@ -370,6 +370,9 @@ class Round(Waiting):
                     f"{node.wait_replicas} replicas acknowledged the write in time",
                 )
                 return
+        if verdict and self.grants and (why := node.vouches_for(endpoint)):
+            self._settle(index, why)
+            return
         self.replies[index] = reply
         self.answered += 1
         self.outstanding -= 1
