@@ -22,6 +22,7 @@ import secrets
 import signal
 import ssl
 import threading
+import traceback
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -435,6 +436,8 @@ def test_a_forked_child_makes_its_own_context(
                 signal.alarm(20)  # a child that hangs is killed
                 first_calls(redlock, 16, "tls:child")
                 code = 0 if activity.contexts_made == made_before + 1 else 1
+            except BaseException:
+                traceback.print_exc()  # shown with the test's failure (code 3)
             finally:
                 os._exit(code)
         deadline = time.monotonic() + 30
