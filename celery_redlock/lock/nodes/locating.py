@@ -24,10 +24,12 @@ RELOCATE_INTERVAL_SECONDS = 0.25
 Answer = TypeVar("Answer")
 
 
-def first_answer(candidates: Sequence[Endpoint], ask: Callable[[Endpoint], Answer]) -> Answer:
-    """Ask every candidate at once (a thread each) and return the first answer; ``ask`` raises
-    when a candidate has none. One that hangs delays nothing. Raises `RedlockError` naming each
-    candidate's failure when none answers."""
+def ask_each(
+    candidates: Sequence[Endpoint], ask: Callable[[Endpoint], Answer]
+) -> queue.Queue[tuple[Endpoint, Answer | None, str]]:
+    """Ask every candidate at once, a thread each (one that hangs delays nothing); each puts
+    ``(candidate, answer, "")``, or ``(candidate, None, why)`` when ``ask`` raised, on the queue
+    returned."""
     answers: queue.Queue[tuple[Endpoint, Answer | None, str]] = queue.Queue()
 
     def run(candidate: Endpoint) -> None:
@@ -38,6 +40,13 @@ def first_answer(candidates: Sequence[Endpoint], ask: Callable[[Endpoint], Answe
 
     for candidate in candidates:
         threading.Thread(target=run, args=(candidate,), daemon=True).start()
+    return answers
+
+
+def first_answer(candidates: Sequence[Endpoint], ask: Callable[[Endpoint], Answer]) -> Answer:
+    """Ask every candidate at once and return the first answer; ``ask`` raises when a candidate
+    has none. Raises `RedlockError` naming each candidate's failure when none answers."""
+    answers = ask_each(candidates, ask)
     errors = []
     for _ in candidates:
         candidate, answer, error = answers.get()
@@ -50,19 +59,10 @@ def first_answer(candidates: Sequence[Endpoint], ask: Callable[[Endpoint], Answe
 def every_answer(
     candidates: Sequence[Endpoint], ask: Callable[[Endpoint], Answer], patience: float
 ) -> list[Answer]:
-    """Ask every candidate at once (a thread each) and return the answers given within
-    ``patience`` seconds; ``ask`` raises when a candidate has none. Raises `RedlockError` naming
-    each candidate's failure when none answers."""
-    answers: queue.Queue[tuple[Endpoint, Answer | None, str]] = queue.Queue()
-
-    def run(candidate: Endpoint) -> None:
-        try:
-            answers.put((candidate, ask(candidate), ""))
-        except Exception as error:
-            answers.put((candidate, None, str(error)))
-
-    for candidate in candidates:
-        threading.Thread(target=run, args=(candidate,), daemon=True).start()
+    """Ask every candidate at once and return the answers given within ``patience`` seconds;
+    ``ask`` raises when a candidate has none. Raises `RedlockError` naming each candidate's
+    failure when none answers."""
+    answers = ask_each(candidates, ask)
     deadline = time.monotonic() + patience
     given: list[Answer] = []
     errors = []
