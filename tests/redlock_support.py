@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import secrets
+import signal
 import subprocess
 import sys
+import threading
 import time
+import traceback
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
@@ -17,6 +21,8 @@ import kombu
 import pytest
 from celery.backends.redis import RedisBackend
 
+from celery_redlock import QuorumUnavailable, Redlock
+from celery_redlock.lock.nodes.reactor import Reactor
 from celery_redlock.testing import RedisServer
 
 
@@ -180,3 +186,75 @@ def run_together(script: str, argument: str, count: int, timeout: float) -> list
             for process, code in zip(processes, codes, strict=True)
             if code != 0
         ]
+
+
+def first_calls(redlock: Redlock, threads: int, resource: str) -> list[float]:
+    """``threads`` threads released at once each acquire (and then release) a lock of their own
+    (named anew on every call: a release a busy node answered late may still be owed to it):
+    the seconds each acquisition took; every acquisition and release must succeed."""
+    resource = f"{resource}:{secrets.token_hex(4)}"
+    start = threading.Barrier(threads)
+    seconds: list[float] = []
+    failed: list[str] = []
+
+    def call(number: int) -> None:
+        start.wait()
+        started = time.perf_counter()
+        try:
+            lock = redlock.acquire(f"{resource}:{number}", 10)
+        except QuorumUnavailable as error:
+            seconds.append(time.perf_counter() - started)
+            failed.append(f"thread {number}: {error}")
+            return
+        seconds.append(time.perf_counter() - started)
+        if lock is None or not redlock.release(lock):
+            failed.append(f"thread {number}: {lock}")
+
+    callers = [threading.Thread(target=call, args=(number,)) for number in range(threads)]
+    for caller in callers:
+        caller.start()
+    for caller in callers:
+        caller.join(30)
+    assert failed == [] and len(seconds) == threads, failed
+    return seconds
+
+
+def exit_code_of_forked_child(body: Callable[[], bool], timeout: float = 20.0) -> int:
+    """Fork; the child runs ``body`` and exits with 0 if it returned True, 1 if it returned
+    False, 3 if it raised (its traceback on standard error), or is killed after ``timeout``
+    seconds (SIGALRM: -14). Returns the child's exit code."""
+    child = os.fork()
+    if child == 0:
+        code = 3
+        try:
+            signal.signal(signal.SIGALRM, signal.SIG_DFL)
+            signal.alarm(int(timeout))
+            code = 0 if body() else 1
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stderr.flush()
+            os._exit(code)
+    deadline = time.monotonic() + timeout + 10
+    while (ended := os.waitpid(child, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if ended[0] == 0:
+        os.kill(child, signal.SIGKILL)
+        ended = os.waitpid(child, 0)
+    return os.waitstatus_to_exitcode(ended[1])
+
+
+def slow_reactor_closes(monkeypatch: pytest.MonkeyPatch, seconds: float) -> list[Reactor]:
+    """Every reactor closed from now on (in a forked child: the parent's, disposed of by the
+    child's first call) waits ``seconds`` first, long enough for the child's other threads to
+    ask for the connections meanwhile. Returns the reactors closed, once per close."""
+    closes: list[Reactor] = []
+    close = Reactor.close
+
+    def slow_close(self: Reactor) -> None:
+        closes.append(self)
+        time.sleep(seconds)
+        close(self)
+
+    monkeypatch.setattr(Reactor, "close", slow_close)
+    return closes

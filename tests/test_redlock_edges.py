@@ -4,6 +4,7 @@ locks, owner matching for every task id, and a fork at any moment."""
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import threading
@@ -12,7 +13,17 @@ import time
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from redlock_support import commands_seen, pttl_on, script_commands, value_on, values_on, wait_until
+from redlock_support import (
+    commands_seen,
+    exit_code_of_forked_child,
+    first_calls,
+    pttl_on,
+    script_commands,
+    slow_reactor_closes,
+    value_on,
+    values_on,
+    wait_until,
+)
 
 from celery_redlock import Lock, QuorumUnavailable, Redlock
 from celery_redlock.lock import keyspace
@@ -299,3 +310,34 @@ def test_a_fork_while_a_node_is_being_probed_leaves_the_child_working(
     finally:
         stop.set()
         thread.join()
+
+
+@pytest.mark.filterwarnings(
+    "ignore:This process .* is multi-threaded, use of fork:DeprecationWarning"
+)
+def test_a_forked_childs_16_first_calls_dispose_of_the_parents_connections_once(
+    three_nodes: RedisNodes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As over TLS (tests/test_tls.py): each disposal of the parent's connections (by every
+    thread of the child's first calls, and again when the child dropped the group) closed the
+    wake-up pipe's descriptor numbers again, by then the child's new connections': replies went
+    missing and members were backed off ("no reply within 0.5s"). The parent is not hurt: the
+    child closes only its own descriptors."""
+    # Held by the list alone: the child drops it (its finalizer disposes of the connections).
+    redlocks = [Redlock(three_nodes.urls, node_timeout=0.5)]
+    try:
+        first_calls(redlocks[0], 1, "fork:parent")
+
+        def child() -> bool:
+            closes = slow_reactor_closes(monkeypatch, 0.2)
+            first_calls(redlocks[0], 16, "fork:child")
+            first_calls(redlocks[0], 16, "fork:child-again")
+            redlocks.clear()
+            gc.collect()
+            # The parent's reactor and the child's, each once (and those of other dropped groups).
+            return len(closes) == len(set(closes)) >= 2
+
+        assert exit_code_of_forked_child(child) == 0
+        first_calls(redlocks[0], 1, "fork:parent-again")
+    finally:
+        redlocks[0].close()

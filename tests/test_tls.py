@@ -16,13 +16,10 @@ and certificates the harness makes (`TLSCertificates`): an authority, a server c
 
 from __future__ import annotations
 
+import gc
 import json
-import os
-import secrets
-import signal
 import ssl
 import threading
-import traceback
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,7 +31,12 @@ from celery_apps.support import LockSignals, embedded_worker, make_app
 from cli_app import create_app
 from cli_support import FAST, invoke
 from env_cli_app import run_redlock_command
-from redlock_support import wait_until
+from redlock_support import (
+    exit_code_of_forked_child,
+    first_calls,
+    slow_reactor_closes,
+    wait_until,
+)
 from topologies import TLSCertificates, TopologyServer
 
 from celery_redlock import QuorumUnavailable, Redlock, admin, singleton_task
@@ -362,37 +364,6 @@ class TLSActivity:
         return len(self.under_way)
 
 
-def first_calls(redlock: Redlock, threads: int, resource: str) -> list[float]:
-    """``threads`` threads released at once each acquire (and then release) a lock of their own
-    (named anew on every call: a release a busy node answered late may still be owed to it):
-    the seconds each acquisition took; every acquisition and release must succeed."""
-    resource = f"{resource}:{secrets.token_hex(4)}"
-    start = threading.Barrier(threads)
-    seconds: list[float] = []
-    failed: list[str] = []
-
-    def call(number: int) -> None:
-        start.wait()
-        started = time.perf_counter()
-        try:
-            lock = redlock.acquire(f"{resource}:{number}", 10)
-        except QuorumUnavailable as error:
-            seconds.append(time.perf_counter() - started)
-            failed.append(f"thread {number}: {error}")
-            return
-        seconds.append(time.perf_counter() - started)
-        if lock is None or not redlock.release(lock):
-            failed.append(f"thread {number}: {lock}")
-
-    callers = [threading.Thread(target=call, args=(number,)) for number in range(threads)]
-    for caller in callers:
-        caller.start()
-    for caller in callers:
-        caller.join(30)
-    assert failed == [] and len(seconds) == threads, failed
-    return seconds
-
-
 def test_first_calls_of_16_threads_make_one_context_for_three_members(
     mutual_servers: list[RedisServer],
     certificates: TLSCertificates,
@@ -428,29 +399,51 @@ def test_a_forked_child_makes_its_own_context(
     try:
         first_calls(redlock, 1, "tls:parent")
         made_before = activity.contexts_made
-        child = os.fork()
-        if child == 0:
-            code = 3
-            try:
-                signal.signal(signal.SIGALRM, signal.SIG_DFL)
-                signal.alarm(20)  # a child that hangs is killed
-                first_calls(redlock, 16, "tls:child")
-                code = 0 if activity.contexts_made == made_before + 1 else 1
-            except BaseException:
-                traceback.print_exc()  # shown with the test's failure (code 3)
-            finally:
-                os._exit(code)
-        deadline = time.monotonic() + 30
-        while (ended := os.waitpid(child, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if ended[0] == 0:
-            os.kill(child, signal.SIGKILL)
-            os.waitpid(child, 0)
-        assert ended[0] == child and os.waitstatus_to_exitcode(ended[1]) == 0, ended
+
+        def child() -> bool:
+            first_calls(redlock, 16, "tls:child")
+            return activity.contexts_made == made_before + 1
+
+        assert exit_code_of_forked_child(child) == 0
         first_calls(redlock, 1, "tls:parent-again")
     finally:
         redlock.close()
     assert activity.contexts_made == 1  # the parent's, for all its connections
+
+
+@pytest.mark.filterwarnings(
+    "ignore:This process .* is multi-threaded, use of fork:DeprecationWarning"
+)
+def test_a_forked_childs_16_first_calls_dispose_of_the_parents_connections_once(
+    mutual_servers: list[RedisServer],
+    certificates: TLSCertificates,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The parent's connections, disposed of by the child's first call while its other threads
+    ask for the connections too, are disposed of once, and every thread takes the child's one
+    set of connections; dropping the group in the child disposes of the child's, not again of
+    the parent's. Each disposal closed the wake-up pipe's descriptor numbers again, by then the
+    child's new TLS connections' ("Bad file descriptor", "Socket operation on non-socket",
+    "[SSL: UNEXPECTED_MESSAGE]")."""
+    urls = [tls_url(server, certificates.ca_certificate, certificates) for server in mutual_servers]
+    # Held by the list alone: the child drops it (its finalizer disposes of the connections).
+    redlocks = [Redlock(urls, node_timeout=NODE_TIMEOUT)]
+    try:
+        first_calls(redlocks[0], 1, "tls:parent")
+
+        def child() -> bool:
+            closes = slow_reactor_closes(monkeypatch, 0.2)
+            first_calls(redlocks[0], 16, "tls:child")
+            first_calls(redlocks[0], 16, "tls:child-again")
+            redlocks.clear()
+            gc.collect()
+            # The parent's reactor and the child's, each once (and those of other dropped groups).
+            return len(closes) == len(set(closes)) >= 2
+
+        assert exit_code_of_forked_child(child) == 0
+        first_calls(redlocks[0], 1, "tls:parent-again")
+    finally:
+        redlocks[0].close()
 
 
 # -- every member connected at once -------------------------------------------------------------

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 from ..scripts import Script
 from .channel import Slot
+from .forks import ProcessLock
 from .members import LockNode
 from .reactor import Connections, Waiting
 from .round import (
@@ -45,6 +46,7 @@ class NodeGroup:
         self.nodes = list(nodes)
         self.node_timeout = node_timeout
         self.quorum = len(self.nodes) // 2 + 1
+        self._replacing = ProcessLock()
         self._connections = self._new_connections()
         # Not a method of the group: rounds keep it, and a round still waiting in a connection
         # must not keep the group alive (its finalizer closes the connections).
@@ -52,18 +54,25 @@ class NodeGroup:
 
     def _new_connections(self) -> Connections:
         connections = Connections()
-        # Closed when the group is dropped (its Redlock gone), not left to the garbage collector.
-        weakref.finalize(self, connections.dispose)
+        # Closed when the group is dropped (its Redlock gone), not left to the garbage collector;
+        # or by a forked child that replaces them: once, never again when the group is dropped
+        # (the wake-up pipe's descriptor numbers may belong to other files by then).
+        self._dispose = weakref.finalize(self, connections.dispose)
         return connections
 
     def connections(self) -> Connections:
-        """This process's connections (new ones in a forked child)."""
+        """This process's connections (new ones in a forked child, made by the first thread
+        that asks while the others wait for them)."""
         connections = self._connections
-        if connections.pid != os.getpid():
-            # A forked child: the parent's sockets are closed here (the parent keeps its own),
-            # without any lock another thread may have held at the fork.
-            connections.dispose()
-            connections = self._connections = self._new_connections()
+        if connections.pid == os.getpid():
+            return connections
+        with self._replacing.held():
+            connections = self._connections
+            if connections.pid != os.getpid():
+                # A forked child: the parent's sockets are closed here (the parent keeps its
+                # own), without any lock another thread may have held at the fork.
+                self._dispose()
+                connections = self._connections = self._new_connections()
         return connections
 
     def close(self) -> None:

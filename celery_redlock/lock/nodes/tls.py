@@ -21,10 +21,11 @@ from __future__ import annotations
 import os
 import socket
 import ssl
-import threading
 from typing import Any
 
 from redis.connection import SSLConnection
+
+from .forks import ProcessLock
 
 
 class TLSContext:
@@ -32,8 +33,7 @@ class TLSContext:
 
     def __init__(self) -> None:
         self._built: tuple[int, ssl.SSLContext] | None = None  # (the process, its context)
-        self._guard = threading.Lock()
-        self._guard_pid = os.getpid()
+        self._guard = ProcessLock()
         self._inherited: list[ssl.SSLContext] = []  # a parent's: kept, never freed in a child
 
     def of(self, connection: SSLConnection) -> ssl.SSLContext:
@@ -43,10 +43,7 @@ class TLSContext:
         built = self._built
         if built is not None and built[0] == pid:
             return built[1]
-        if self._guard_pid != pid:  # a child: a thread of the parent may have held the lock
-            self._guard = threading.Lock()
-            self._guard_pid = pid
-        with self._guard:
+        with self._guard.held():
             built = self._built
             if built is not None and built[0] == pid:
                 return built[1]
