@@ -294,12 +294,14 @@ def test_a_lock_on_a_majority_is_named_every_time_and_one_on_a_minority_never(
                 key = keyspace.reservation_key(redlock.key_for(resource))
                 ask = functools.partial(reservation_of, redlock)
             assert isinstance(outcome, Acquired), outcome
+            # A node loses the lock: its key and the 0.2-layout copy held beside it.
+            copies = (key, keyspace.legacy_key(RedlockSettings.key_prefix, key))
             with three_nodes[lost].client() as client:
-                assert client.delete(key) == 1
+                assert client.delete(*copies) == 2
             holders = Counter(getattr(ask(resource), "holder", None) for _ in range(CALLS))
             assert holders == {"worker-A": CALLS}, f"lost on node {lost}: {holders}"
             with three_nodes[(lost + 1) % len(three_nodes)].client() as client:
-                assert client.delete(key) == 1  # left on one node only: a leftover
+                assert client.delete(*copies) == 2  # left on one node only: a leftover
             holders = Counter(getattr(ask(resource), "holder", None) for _ in range(CALLS))
             assert holders == {None: CALLS}, f"left on one node: {holders}"
     finally:
