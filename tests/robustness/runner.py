@@ -403,17 +403,20 @@ def figures(
         faults["exception"] = injected
     tasks = Counter(record["event"] for record in history if record["op"] == "task")
     kinds = Counter(violation.kind for violation in violations)
-    return [
+    lines = [
         f"\nfigures ({arguments.minutes} min, seed {arguments.seed}, {describe(arguments)}, "
         f"{arguments.keys} keys):",
         f"  operations: {len(history)}",
-        f"  acquisitions: {dict(outcomes)}",
-        f"  holds: {outcomes.get('acquired', 0)}",
-        f"  fenced writes: {dict(writes)}",
-        f"  tasks: {dict(tasks)}",
-        f"  faults injected: {faults}",
-        f"  violations: {dict(kinds) or 0}",
     ]
+    if arguments.mode == "celery":
+        lines.append(f"  tasks: {dict(tasks)}")
+    else:
+        lines.append(f"  acquisitions: {dict(outcomes)}")
+        lines.append(f"  holds: {outcomes.get('acquired', 0)}")
+        lines.append(f"  fenced writes: {dict(writes)}")
+    lines.append(f"  faults injected: {faults}")
+    lines.append(f"  violations: {dict(kinds) or 0}")
+    return lines
 
 
 def around(history: Sequence[Record], violation: Violation, seconds: float = 0.5) -> list[Record]:

@@ -87,7 +87,6 @@ class Faults:
         self.every = config.interrupt_every
         self.rng = rng
         self.armed = False
-        self.injected = 0
         self.faulted: set[tuple[CodeType, int]] = set()
 
     def start(self) -> None:
@@ -113,7 +112,6 @@ class Faults:
     def _on_alarm(self, signum: int, frame: FrameType | None) -> None:
         self._next_alarm()
         if self.armed:
-            self.injected += 1
             raise InjectedFault("signal")
 
     def _trace(self, frame: FrameType, event: str, argument: Any) -> Any:
@@ -134,7 +132,6 @@ class Faults:
         fresh = location not in self.faulted and self.rng.random() < chance
         if fresh or self.rng.random() * self.every < 1:
             self.faulted.add(location)
-            self.injected += 1
             raise InjectedFault(f"line {frame.f_code.co_name}:{frame.f_lineno}")
         return self._line
 
@@ -158,7 +155,6 @@ class Client:
         self.faults = faults
         self.rng = random.Random(seed)
         self.history = HistoryFile(Path(config.history) / f"{owner.replace(':', '-')}.jsonl")
-        self.operations = 0
 
     def run(self) -> None:
         try:
@@ -184,7 +180,6 @@ class Client:
         """Run one library call, recording its start and end; an injected fault or an error is
         recorded in ``record`` and returns None."""
         faults = self.faults
-        self.operations += 1
         record["start"] = time.monotonic()
         try:
             if faults is not None:
@@ -368,12 +363,6 @@ def main(config_path: str, index: int) -> None:
             faults.stop()
     for thread in threads:
         thread.join()
-    summary = {
-        "process": index,
-        "operations": sum(client.operations for client in [main_client, *clients]),
-        "faults_injected": faults.injected if faults is not None else 0,
-    }
-    (Path(config.history) / f"p{index}.summary.json").write_text(json.dumps(summary))
     redlock.close()
     faulthandler.cancel_dump_traceback_later()
 
