@@ -248,10 +248,6 @@ def false_helds(history: Sequence[Record]) -> list[Violation]:
         if record["op"] in ("acquire", "extend", "release"):
             ttl = record.get("ttl", 0.0)
             windows[(record["owner"], record["key"])].append((record["start"], record["end"] + ttl))
-    ttls: dict[str, float] = {}
-    for record in history:
-        if record["op"] == "acquire" and record["outcome"] == "acquired":
-            ttls[record["token"]] = record["ttl"]
     violations: list[Violation] = []
     cover: dict[tuple[str, str], tuple[list[float], list[float]]] = {}
     for pair, spans in windows.items():

@@ -13,7 +13,8 @@ and ``end``. By ``op``:
 - ``write``: ``token``, ``store`` (``redis`` or ``postgresql``), ``fence``, ``accepted`` (True,
   False for a `StaleFence`, None when interrupted or failed), ``stored`` (the refusal's token),
   ``error`` (the exception's class name when neither written nor refused).
-- ``task``: the Celery workload: ``event`` (``sent``, ``ran``, ``skipped``), ``task_id``.
+- ``task``: the Celery workload: ``event`` (``sent``, ``ran``, ``skipped``; ``acquired``,
+  ``released``, ``released-unconfirmed`` and ``lost`` for a run's lock), ``task_id``.
 """
 
 from __future__ import annotations
