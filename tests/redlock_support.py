@@ -244,17 +244,18 @@ def exit_code_of_forked_child(body: Callable[[], bool], timeout: float = 20.0) -
     return os.waitstatus_to_exitcode(ended[1])
 
 
-def slow_reactor_closes(monkeypatch: pytest.MonkeyPatch, seconds: float) -> list[Reactor]:
-    """Every reactor closed from now on (in a forked child: the parent's, disposed of by the
-    child's first call) waits ``seconds`` first, long enough for the child's other threads to
-    ask for the connections meanwhile. Returns the reactors closed, once per close."""
-    closes: list[Reactor] = []
-    close = Reactor.close
+def slow_reactor_disposals(monkeypatch: pytest.MonkeyPatch, seconds: float) -> list[Reactor]:
+    """Every reactor disposed of from now on (in a forked child: the parent's, by the child's
+    first call) waits ``seconds`` before it closes its sockets, long enough for the child's other
+    threads to ask for the connections meanwhile. Returns the reactors disposed of, once per
+    disposal."""
+    disposals: list[Reactor] = []
+    close_sockets = Reactor.close_sockets
 
-    def slow_close(self: Reactor) -> None:
-        closes.append(self)
+    def slow_close_sockets(self: Reactor) -> None:
+        disposals.append(self)
         time.sleep(seconds)
-        close(self)
+        close_sockets(self)
 
-    monkeypatch.setattr(Reactor, "close", slow_close)
-    return closes
+    monkeypatch.setattr(Reactor, "close_sockets", slow_close_sockets)
+    return disposals

@@ -18,39 +18,6 @@ GATE_TIMEOUT = 10.0
 """Seconds a held write waits for its gate at most: a test that fails never hangs."""
 
 
-class GatedSocket:
-    """Stands in for a channel's socket; everything goes to the real one, except that the next
-    ``sendall`` after `hold_next` waits for `gate`, before or after its bytes went out, and sets
-    `entered` once it waits."""
-
-    def __init__(self, real: Any) -> None:
-        self.real = real
-        self.entered = threading.Event()
-        self.gate = threading.Event()
-        self.writes = 0
-        self._hold: str | None = None
-
-    def hold_next(self, when: str) -> None:
-        """Hold the next write at the gate ``"before"`` or ``"after"`` its bytes are sent."""
-        self._hold = when
-
-    def sendall(self, data: bytes) -> None:
-        self.writes += 1
-        hold, self._hold = self._hold, None
-        if hold == "before":
-            self._wait_at_gate()
-        self.real.sendall(data)
-        if hold == "after":
-            self._wait_at_gate()
-
-    def _wait_at_gate(self) -> None:
-        self.entered.set()
-        self.gate.wait(GATE_TIMEOUT)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.real, name)
-
-
 class NoisySocket:
     """Stands in for a channel's socket; every ``sendall`` pauses a random moment before its
     bytes go out (up to ``before`` seconds) and after (up to ``after``): the thread switches and

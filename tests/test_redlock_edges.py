@@ -19,7 +19,7 @@ from redlock_support import (
     first_calls,
     pttl_on,
     script_commands,
-    slow_reactor_closes,
+    slow_reactor_disposals,
     value_on,
     values_on,
     wait_until,
@@ -329,7 +329,7 @@ def test_a_forked_childs_16_first_calls_dispose_of_the_parents_connections_once(
         first_calls(redlocks[0], 1, "fork:parent")
 
         def child() -> bool:
-            closes = slow_reactor_closes(monkeypatch, 0.2)
+            closes = slow_reactor_disposals(monkeypatch, 0.2)
             first_calls(redlocks[0], 16, "fork:child")
             first_calls(redlocks[0], 16, "fork:child-again")
             redlocks.clear()

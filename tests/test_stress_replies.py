@@ -19,14 +19,13 @@ from typing import Any
 
 import pytest
 from redlock_support import wait_until
-from reply_faults import FaultyProxy, GatedSocket, NoisySocket
+from reply_faults import FaultyProxy, NoisySocket
 
 from celery_redlock import Redlock
 from celery_redlock.lock import keyspace, scripts
 from celery_redlock.lock.nodes import NodeGroup, RoundResult, members_from_urls
 from celery_redlock.lock.nodes import endpoint as endpoint_module
-from celery_redlock.lock.nodes.channel import NO_REPLY, Channel
-from celery_redlock.lock.nodes.round import deliver
+from celery_redlock.lock.nodes.channel import NO_REPLY
 from celery_redlock.lock.outcomes import Acquired
 from celery_redlock.lock.owner import Tokens
 from celery_redlock.lock.redlock import reservation_of, reserve
@@ -49,45 +48,27 @@ def value_read(result: RoundResult) -> Any:
     return reply if reply is NO_REPLY else reply[0].decode()
 
 
-# -- a failure inside a writer's sendall --------------------------------------------------------
+# -- a connection that fails inside the reactor's write ----------------------------------------
 
 
-class Callers:
-    """Threads that each READ a key of their own through one group, and what each got."""
+class CutAfterWrite:
+    """Stands in for a connection's socket: its next write is held at a gate after the bytes
+    went out, then fails as a cut connection does; everything else goes to the real socket."""
 
-    def __init__(self, group: NodeGroup, channel: Channel) -> None:
-        self.group = group
-        self.results: dict[str, RoundResult] = {}
-        self.sent: dict[str, threading.Event] = {}
-        self.threads: list[threading.Thread] = []
-        send = channel.send
+    def __init__(self, real: Any) -> None:
+        self.real = real
+        self.entered = threading.Event()
+        self.gate = threading.Event()
 
-        def send_and_tell(payload: bytes, slots: Any, late_after: float | None = None) -> Any:
-            try:
-                return send(payload, slots, late_after)
-            finally:
-                sent = self.sent.get(threading.current_thread().name)
-                if sent is not None:
-                    sent.set()
+    def sendall(self, data: bytes) -> None:
+        self.real.sendall(data)
+        if not self.entered.is_set():
+            self.entered.set()
+            self.gate.wait(10)
+            raise ConnectionResetError("cut after the write")
 
-        channel.send = send_and_tell  # type: ignore[method-assign]
-
-    def start(self, name: str) -> None:
-        """Start caller ``name``: it READs ``caller:<name>``."""
-        self.sent[name] = threading.Event()
-
-        def run() -> None:
-            self.results[name] = read(self.group, f"caller:{name}")
-
-        thread = threading.Thread(target=run, name=name, daemon=True)
-        self.threads.append(thread)
-        thread.start()
-
-    def join(self) -> None:
-        """Wait for every caller to finish."""
-        for thread in self.threads:
-            thread.join(10)
-            assert not thread.is_alive(), f"caller {thread.name} still waits"
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
 
 
 @pytest.fixture
@@ -104,53 +85,48 @@ def group_on_one_node(one_node: RedisNodes) -> Iterator[NodeGroup]:
 def test_a_connection_failing_inside_a_write_leaves_every_reply_to_its_caller(
     group_on_one_node: NodeGroup, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # A writes; its bytes are out, but its sendall has not returned when the connection fails.
-    # B opens the next connection and becomes its writer (held before its bytes go out). A's
-    # sendall returns. C comes: it must queue behind B, not write beside it — else C's command
-    # reaches the server first and its reply goes to the slot queued first.
+    # A's bytes are out, but the write has not returned when the connection fails; B and C ask
+    # meanwhile. The server answers A on the failed connection, which nobody reads any more:
+    # B and C must get their own replies on the next connection, A no reply or its own.
     group = group_on_one_node
     assert value_read(read(group, "caller:warm")) == "value of warm"  # the connection is open
-    connections = group.connections()
     endpoint = group.nodes[0].endpoint_for("caller:a")
     assert endpoint is not None
-    channel = connections.channel(endpoint)
-    first = GatedSocket(channel.socket)
-    with channel.lock:
-        channel.socket = first
-    opened: list[GatedSocket] = []
     open_socket = endpoint.open_socket
+    cut = CutAfterWrite(open_socket())
+    opened = iter([cut])
+    monkeypatch.setattr(endpoint, "open_socket", lambda: next(opened, None) or open_socket())
+    group.close()  # the next command connects through CutAfterWrite
+    monkeypatch.setattr(endpoint_module, "FIRST_BACKOFF_SECONDS", 0.001)
+    monkeypatch.setattr(endpoint_module, "MAX_BACKOFF_SECONDS", 0.001)
+    results: dict[str, RoundResult] = {}
 
-    def open_gated_socket() -> Any:
-        gated = GatedSocket(open_socket())
-        gated.hold_next("before")
-        opened.append(gated)
-        return gated
+    def caller(name: str) -> threading.Thread:
+        thread = threading.Thread(
+            target=lambda: results.__setitem__(name, read(group, f"caller:{name}")), daemon=True
+        )
+        thread.start()
+        return thread
 
-    monkeypatch.setattr(endpoint, "open_socket", open_gated_socket)
-    callers = Callers(group, channel)
+    callers = [caller("a")]
     try:
-        first.hold_next("after")
-        callers.start("a")
-        assert first.entered.wait(5), "A never wrote"
-        deliver(connections.reactor, channel.fail(channel.generation, "cut", back_off=False))
-        callers.start("b")
-        assert wait_until(lambda: opened and opened[0].entered.is_set(), timeout=5)
-        first.gate.set()
-        assert callers.sent["a"].wait(5), "A's sendall never returned"
-        callers.start("c")
-        assert callers.sent["c"].wait(5), "C's send never returned"
+        assert cut.entered.wait(5), "A was never written"
+        callers += [caller("b"), caller("c")]
+        time.sleep(0.05)  # B and C wait in the reactor's inbox behind the held write
     finally:
-        first.gate.set()
-        for gated in opened:
-            gated.gate.set()
-    callers.join()
-    got = {name: value_read(result) for name, result in callers.results.items()}
-    assert got["a"] in (NO_REPLY, "value of a")  # its connection failed under it
-    assert got == {"a": got["a"], "b": "value of b", "c": "value of c"}, [
-        (name, result.replies, result.failures) for name, result in callers.results.items()
+        cut.gate.set()
+    for thread in callers:
+        thread.join(10)
+        assert not thread.is_alive(), f"caller {thread.name} still waits"
+    # Each got its own reply or none (the node is backed off until its probe answers), never
+    # another's; and the next connection is in order.
+    got = {name: value_read(result) for name, result in results.items()}
+    assert all(got[name] in (NO_REPLY, f"value of {name}") for name in got), [
+        (name, result.replies, result.failures) for name, result in results.items()
     ]
-    # Every caller got its own reply, on a connection that is in order afterwards.
-    assert value_read(read(group, "caller:warm")) == "value of warm"
+    assert wait_until(lambda: value_read(read(group, "caller:warm")) is not NO_REPLY)
+    for name in ("a", "b", "c", "warm"):
+        assert value_read(read(group, f"caller:{name}")) == f"value of {name}"
 
 
 # -- many threads, connections cut at random ---------------------------------------------------

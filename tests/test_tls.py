@@ -34,7 +34,7 @@ from env_cli_app import run_redlock_command
 from redlock_support import (
     exit_code_of_forked_child,
     first_calls,
-    slow_reactor_closes,
+    slow_reactor_disposals,
     wait_until,
 )
 from topologies import TLSCertificates, TopologyServer
@@ -432,7 +432,7 @@ def test_a_forked_childs_16_first_calls_dispose_of_the_parents_connections_once(
         first_calls(redlocks[0], 1, "tls:parent")
 
         def child() -> bool:
-            closes = slow_reactor_closes(monkeypatch, 0.2)
+            closes = slow_reactor_disposals(monkeypatch, 0.2)
             first_calls(redlocks[0], 16, "tls:child")
             first_calls(redlocks[0], 16, "tls:child-again")
             redlocks.clear()

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..errors import LockLost, RedlockError
+from .nodes.wakeups import Wakeup
 from .outcomes import Lock
 from .redlock import Redlock, drift
 
@@ -54,10 +55,12 @@ class LockKeeper:
         self._this_process()
 
     def _this_process(self) -> None:
-        # Start afresh in a forked child: the parent's thread is not there, and its condition
-        # may have been held by that thread at the fork.
+        # Start afresh in a forked child: the parent's thread is not there, and its lock may
+        # have been held by that thread at the fork. A plain lock and a `Wakeup`, not a
+        # condition: a soft time limit raising in `stop` must not leave anything held.
         if self._pid != os.getpid():
-            self._wakeup = threading.Condition(threading.Lock())
+            self._guard = threading.Lock()
+            self._wakeup = Wakeup()
             self._queue: list[tuple[float, int, KeptLock]] = []
             self._thread: threading.Thread | None = None
             self._stopped_in_queue = 0
@@ -82,7 +85,7 @@ class LockKeeper:
         with kept.guard:
             kept.stopped = True
         self._this_process()
-        with self._wakeup:
+        with self._guard:
             # Short runs stop long before their first extension is due: drop their entries in
             # bulk, or the thread wakes up once per finished run, a third of a ttl later. The
             # count is an estimate (locks kept without extension have no entry; the thread pops
@@ -110,7 +113,7 @@ class LockKeeper:
     def _schedule(self, kept: KeptLock, when: float) -> None:
         kept.next_at = when
         self._this_process()
-        with self._wakeup:
+        with self._guard:
             if self._thread is None:  # none yet, idle and ended, or left in the parent (above)
                 self._thread = threading.Thread(
                     target=self._run, name="celery-redlock-keeper", daemon=True
@@ -118,26 +121,37 @@ class LockKeeper:
                 self._thread.start()
             heapq.heappush(self._queue, (when, next(self._order), kept))
             if when < self._sleeping_until:  # wake the thread only if it would sleep past this
-                self._wakeup.notify()
+                self._wakeup.wake()
 
     def _run(self) -> None:
+        idle_since: float | None = None
         while True:
-            with self._wakeup:
-                while not self._queue or self._queue[0][0] > time.monotonic():
-                    if self._queue:
-                        self._sleeping_until = self._queue[0][0]
-                        self._wakeup.wait(self._sleeping_until - time.monotonic())
-                        continue
-                    self._sleeping_until = time.monotonic() + IDLE_SECONDS
-                    if not self._wakeup.wait(IDLE_SECONDS) and not self._queue:
-                        # Nothing to extend for a while: the thread ends (the next lock kept
-                        # starts another), so that it does not keep a dropped lock manager
-                        # and its connections alive for ever.
-                        self._thread = None
-                        self._sleeping_until = 0.0
-                        return
-                self._sleeping_until = 0.0  # awake: whoever schedules need not wake it
-                _, _, kept = heapq.heappop(self._queue)
+            with self._guard:
+                now = time.monotonic()
+                queue = self._queue
+                if queue and queue[0][0] <= now:
+                    self._sleeping_until = 0.0  # awake: whoever schedules need not wake it
+                    _, _, kept = heapq.heappop(queue)
+                    idle_since = None
+                elif queue:
+                    self._sleeping_until = queue[0][0]
+                    idle_since = None
+                    kept = None
+                elif idle_since is not None and now - idle_since >= IDLE_SECONDS:
+                    # Nothing to extend for a while: the thread ends (the next lock kept starts
+                    # another), so that it does not keep a dropped lock manager and its
+                    # connections alive for ever.
+                    self._thread = None
+                    self._sleeping_until = 0.0
+                    return
+                else:
+                    idle_since = now if idle_since is None else idle_since
+                    self._sleeping_until = idle_since + IDLE_SECONDS
+                    kept = None
+                sleep_for = self._sleeping_until - now
+            if kept is None:
+                self._wakeup.sleep(sleep_for)
+                continue
             with kept.guard:
                 if kept.stopped or kept.is_lost:
                     continue

@@ -34,6 +34,8 @@ class Lock:
     owner: str = ""
     valid_until: float = field(default=0.0, repr=False)
     fencing_token: int = 0
+    # The members its acquisition never reached (their indexes): its release owes them nothing.
+    unreached: frozenset[int] = field(default=frozenset(), repr=False, compare=False)
 
     @property
     def value(self) -> str:

@@ -198,6 +198,7 @@ class Redlock:
         ttl_ms = max(1, int(ttl * 1000))
         rounds = self._settings.retry_count if acquisition.rounds is None else acquisition.rounds
         outcome: Outcome | None = None
+        reached: frozenset[int] = frozenset()  # members an earlier round may have set it on
         for round_number in range(rounds):
             if round_number:
                 time.sleep(jittered(self._settings.retry_delay))
@@ -209,17 +210,20 @@ class Redlock:
             # An earlier round of this acquisition (or an earlier attempt of the same run), with
             # the same token, may have left a clean-up owed to a node that was silent: sent after
             # this round, it would remove the lock this round takes.
-            self._group.forgive(key, value)
+            reached |= self._group.forgive(key, value)
             try:
                 result = self._group.run(scripts.ACQUIRE, keys, arguments, judge, grants=True)
                 outcome = self._outcome(acquisition, started, result)
             except BaseException:
                 self._release_value(key, value, ttl)  # an interrupted round may have set keys
                 raise
+            # Members this round never went to hold nothing of it (unless an earlier one did).
+            unreached = result.unsent - reached
             if isinstance(outcome, Acquired):
+                outcome.lock.unreached = unreached
                 return outcome
             # Release everywhere, including nodes that seemed to fail: a SET may have landed.
-            self._release_value(key, value, ttl)
+            self._release_value(key, value, ttl, spared=unreached)
             if not isinstance(outcome, (Contended, Unavailable)):
                 return outcome
         return outcome or Unavailable(QuorumUnavailable(key, 0, self.quorum))
@@ -414,16 +418,31 @@ class Redlock:
             judge_zero_or_one,
             wait=confirm,
             owed_for=max(lock.ttl, hold),
+            spared=lock.unreached,
         )
         lock.valid_until = 0.0
         return result.successes >= self.quorum
 
-    def _release_value(self, key: str, value: str, ttl: float = 0.0, wait: bool = False) -> int:
-        # A node that cannot be reached gets the release once it answers again (owed for ttl).
+    def _release_value(
+        self,
+        key: str,
+        value: str,
+        ttl: float = 0.0,
+        wait: bool = False,
+        spared: frozenset[int] = frozenset(),
+    ) -> int:
+        # A node that cannot be reached gets the release once it answers again (owed for ttl),
+        # unless it is ``spared``: the value never reached it.
         keys = (key, keyspace.fence_key(key), self._with_legacy(key))
-        arguments = (value, 0)
         return self._group.run(
-            scripts.RELEASE, keys, arguments, judge_zero_or_one, wait=wait, every=wait, owed_for=ttl
+            scripts.RELEASE,
+            keys,
+            (value, 0),
+            judge_zero_or_one,
+            wait=wait,
+            every=wait,
+            owed_for=ttl,
+            spared=spared,
         ).successes
 
     def close(self) -> None:

@@ -15,7 +15,6 @@ value first drops the clean-ups owed for it and waits for one the probe is sendi
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
 import os
@@ -38,6 +37,7 @@ from redis.retry import Retry
 from ...errors import ConfigurationError
 from ...settings import has_credentials, redact_url
 from .tls import TLSConnection, TLSContexts
+from .wakeups import Flag
 
 logger = logging.getLogger(__name__)
 
@@ -53,9 +53,13 @@ _TRANSIENT = (TryAgainError, ClusterDownError, OutOfMemoryError)
 LATENESS_RISE = 0.5
 LATENESS_FALL = 0.05
 """How far `Endpoint.lateness` moves toward each reply's delay: quickly up, slowly down."""
-MAX_OWED = 10_000
-"""Clean-ups kept per server while it does not answer; past that the oldest (those whose keys
-expire soonest) are dropped."""
+MAX_OWED = 100_000
+"""Clean-ups kept per server while it does not answer (a safety net: only rounds sent to it, or
+locks it granted, owe it one, and each is dropped once what it removes has expired); past that
+the oldest (those whose keys expire soonest) are dropped."""
+
+Debt = tuple[float, bytes]
+"""A clean-up owed to a server: until when it is needed (monotonic), and the packed command."""
 
 ACL_HINT = "apply the least-privilege ACL line of README's 'TLS, passwords, ACL users'"
 
@@ -140,12 +144,13 @@ class Endpoint:
         # the child for ever. Two threads starting a probe at once merely probe twice.
         self._probing_pid = 0
         self._probe_sleeping = False
-        self._probe_finished = threading.Event()
-        # Clean-ups owed to the server: (monotonic time they are useless after, packed command),
-        # and those a probe is sending now (`_payment_done` is set once their replies are read).
-        self._owed: collections.deque[tuple[float, bytes]] = collections.deque()
-        self._paying: list[tuple[float, bytes]] = []
-        self._payment_done = threading.Event()
+        self._probe_finished = Flag()
+        # Clean-ups owed to the server, by the value each removes: (monotonic time it is useless
+        # after, packed command); in the order owed, which is roughly the order of expiry. And
+        # those a probe is sending now (`_payment_done` is set once their replies are read).
+        self._owed: dict[bytes, Debt] = {}
+        self._paying: dict[bytes, Debt] = {}
+        self._payment_done = Flag()
         self._debts_guard = threading.Lock()
         self._debts_pid = os.getpid()
 
@@ -254,7 +259,7 @@ class Endpoint:
         if self._probing_pid == pid:
             return  # a probe is already on its way in this process
         self._probing_pid = pid
-        self._probe_finished = threading.Event()
+        self._probe_finished = Flag()
         threading.Thread(
             target=self._probe,
             args=(self._probe_finished,),
@@ -262,7 +267,7 @@ class Endpoint:
             daemon=True,
         ).start()
 
-    def _probe(self, finished: threading.Event) -> None:
+    def _probe(self, finished: Flag) -> None:
         """Probe the server once it is due; while clean-ups are owed to it, again after each
         back-off until it answers (and is sent them) or they are no longer needed."""
         try:
@@ -307,41 +312,46 @@ class Endpoint:
         self._suspect = False
         return True
 
-    def owe(self, packed: bytes, until: float) -> None:
-        """Send ``packed`` (a clean-up, harmless when run again) to the server once it answers
-        again, unless ``until`` (monotonic) has passed by then: for a clean-up it was not sent,
-        or did not answer, as it may still run what it was sent before."""
+    def owe(self, value: bytes, packed: bytes, until: float) -> None:
+        """Send ``packed`` (a clean-up of ``value``, harmless when run again) to the server once
+        it answers again, unless ``until`` (monotonic) has passed by then: for a clean-up it was
+        not sent, or did not answer, as it may still run what it was sent before. A later
+        clean-up of the same value replaces an earlier one. Costs the same however much is
+        owed: what expired is dropped as it goes."""
         with self._debts():  # `forgive` may be going through them in another thread
             owed = self._owed
-            if len(owed) >= MAX_OWED:
-                owed.popleft()
-            owed.append((until, packed))
+            owed.pop(value, None)
+            owed[value] = (until, packed)
+            self._drop_expired(time.monotonic())
+            if len(owed) > MAX_OWED:
+                del owed[next(iter(owed))]
         self._start_probe()
 
-    def forgive(self, value: bytes) -> None:
-        """Drop the clean-ups owed for ``value``, right before a round sets ``value`` again (a
-        later round of the acquisition that owed them, with the same token): sent after it, they
-        would remove the lock. When a probe is sending one of them now, wait for its reply first
-        (on its own connection, it could run after the round), two probe timeouts at most; one
-        still on its way then backs the server off until the probe is done with it, so that the
-        round skips the server."""
+    def forgive(self, value: bytes) -> bool:
+        """Drop the clean-up owed for ``value``, right before a round sets ``value`` again (a
+        later round of the acquisition that owed it, with the same token): sent after it, it
+        would remove the lock. When a probe is sending it now, wait for its reply first (on its
+        own connection, it could run after the round), two probe timeouts at most; one still on
+        its way then backs the server off until the probe is done with it, so that the round
+        skips the server. Returns True if one was owed or on its way (the server may hold
+        ``value``)."""
         if not (self._owed or self._paying):
-            return  # nothing owed: the common case, with no lock taken
+            return False  # nothing owed: the common case, with no lock taken
         deadline = time.monotonic() + 2 * max(self.timeout, PROBE_TIMEOUT_SECONDS)
-        while self._owed or self._paying:
+        owed = False
+        while True:
             with self._debts():
-                owed = self._owed
-                for debt in [debt for debt in owed if value in debt[1]]:
-                    owed.remove(debt)
-                in_flight = any(value in packed for _, packed in self._paying)
+                owed = self._owed.pop(value, None) is not None or owed
+                in_flight = value in self._paying
                 done = self._payment_done
             if not in_flight:
-                return
+                return owed
+            owed = True
             left = deadline - time.monotonic()
             if left <= 0:
                 self.mark_down(time.monotonic(), "a clean-up sent to it is still unanswered")
-                return
-            # A payment that fails puts its clean-ups back: the next pass drops them.
+                return owed
+            # A payment that fails puts its clean-ups back: the next pass drops it.
             done.wait(left)
 
     @property
@@ -356,33 +366,42 @@ class Endpoint:
         if self._debts_pid != pid:
             self._debts_guard = threading.Lock()
             self._debts_pid = pid
-            self._owed.extend(self._paying)
-            self._paying = []
-            self._payment_done = threading.Event()
+            self._owed.update(self._paying)
+            self._paying = {}
+            self._payment_done = Flag()
         return self._debts_guard
+
+    def _drop_expired(self, now: float) -> None:
+        """Drop the clean-ups no longer needed from the front (called with the debts' lock)."""
+        owed = self._owed
+        while owed:
+            value = next(iter(owed))
+            if owed[value][0] > now:
+                return
+            del owed[value]
 
     def _still_owed(self, now: float) -> bool:
         with self._debts():
-            owed = self._owed
-            while owed and owed[0][0] <= now:
-                owed.popleft()  # roughly in order of expiry: enough to end the probing
-            return bool(owed)
+            self._drop_expired(now)
+            return bool(self._owed)
 
     def _pay(self, connection: AbstractConnection) -> None:
         """Send every clean-up still needed on ``connection`` (a new one: the server reads it
         after what the old connections hold); any that fail stay owed."""
-        owed, now = self._owed, time.monotonic()
+        now = time.monotonic()
         with self._debts():
-            batch = [owed.popleft() for _ in range(len(owed))]
-            batch = [(until, packed) for until, packed in batch if until > now]
+            batch = {value: debt for value, debt in self._owed.items() if debt[0] > now}
+            self._owed = {}
             if not batch:
                 return
             self._paying = batch
-            done = self._payment_done = threading.Event()
-        unpaid: list[tuple[float, bytes]] = []
+            done = self._payment_done = Flag()
+        unpaid: dict[bytes, Debt] = {}
         try:
-            connection.send_packed_command([b"".join(packed for _, packed in batch)], False)
-            for debt in batch:
+            connection.send_packed_command(
+                [b"".join(packed for _, packed in batch.values())], False
+            )
+            for value, debt in batch.items():
                 try:
                     connection.read_response()
                 except ResponseError as error:
@@ -390,15 +409,16 @@ class Endpoint:
                     # refusal (MOVED, READONLY after a failover, a denied command) will not change
                     # by sending it again: the key lives elsewhere, or the rounds see the fault.
                     if isinstance(error, _TRANSIENT) or str(error).startswith("BUSY"):
-                        unpaid.append(debt)
+                        unpaid[value] = debt
                         self.last_error = describe_failure(error, self.options.get("username"))
         except BaseException:
             unpaid = batch
             raise
         finally:
             with self._debts():
-                owed.extend(unpaid)
-                self._paying = []
+                for value, debt in unpaid.items():  # behind any owed meanwhile: it is older
+                    self._owed.setdefault(value, debt)
+                self._paying = {}
             done.set()
         if unpaid:
             raise ResponseError(f"clean-ups refused: {self.last_error}")

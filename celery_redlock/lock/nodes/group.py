@@ -16,25 +16,16 @@ from collections.abc import Sequence
 
 from ..scripts import Script
 from .channel import Slot
+from .endpoint import Endpoint
 from .forks import ProcessLock
 from .members import LockNode
-from .reactor import Connections, Waiting
-from .round import (
-    Judge,
-    Members,
-    Round,
-    RoundResult,
-    ScriptHeads,
-    deliver,
-    endpoint_of,
-    patience,
-    wait,
-)
-from .subscriber import Subscriber
+from .reactor import Reactor, Waiting
+from .round import Judge, Members, Round, RoundResult, ScriptHeads, endpoint_of, patience
 
 
 class NodeGroup:
-    """The members of one `Redlock`, with this process's connections to them, opened lazily.
+    """The members of one `Redlock`, with this process's connections to them (`Reactor`),
+    opened lazily.
 
     Every thread of a process uses the same connection to a server, and a server answers the
     commands of one connection in the order they were sent, so a thread's release never
@@ -47,42 +38,40 @@ class NodeGroup:
         self.node_timeout = node_timeout
         self.quorum = len(self.nodes) // 2 + 1
         self._replacing = ProcessLock()
-        self._connections = self._new_connections()
+        self._reactor = self._new_reactor()
         # Not a method of the group: rounds keep it, and a round still waiting in a connection
         # must not keep the group alive (its finalizer closes the connections).
         self.script_head = ScriptHeads()
 
-    def _new_connections(self) -> Connections:
-        connections = Connections()
-        # Closed when the group is dropped (its Redlock gone), not left to the garbage collector;
-        # or by a forked child that replaces them: once, never again when the group is dropped
-        # (the wake-up pipe's descriptor numbers may belong to other files by then).
-        self._dispose = weakref.finalize(self, connections.dispose)
-        return connections
+    def _new_reactor(self) -> Reactor:
+        reactor = Reactor(self.node_timeout)
+        # Stopped when the group is dropped (its Redlock gone), not left to the garbage
+        # collector; or by a forked child that replaces it: once, never again when the group is
+        # dropped (the descriptor numbers of its sockets may belong to other files by then).
+        self._dispose = weakref.finalize(self, reactor.dispose)
+        return reactor
 
-    def connections(self) -> Connections:
-        """This process's connections (new ones in a forked child, made by the first thread
-        that asks while the others wait for them)."""
-        connections = self._connections
-        if connections.pid == os.getpid():
-            return connections
+    def reactor(self) -> Reactor:
+        """This process's reactor (a new one in a forked child, made by the first thread that
+        asks while the others wait for it)."""
+        reactor = self._reactor
+        if reactor.pid == os.getpid():
+            return reactor
         with self._replacing.held():
-            connections = self._connections
-            if connections.pid != os.getpid():
+            reactor = self._reactor
+            if reactor.pid != os.getpid():
                 # A forked child: the parent's sockets are closed here (the parent keeps its
                 # own), without any lock another thread may have held at the fork.
                 self._dispose()
-                connections = self._connections = self._new_connections()
-        return connections
+                reactor = self._reactor = self._new_reactor()
+        return reactor
 
     def close(self) -> None:
         """Close this process's connections to the servers and stop the members' background
         work; later rounds open and start them again."""
         for node in self.nodes:
             node.close()
-        connections = self._connections
-        if connections.pid == os.getpid():
-            deliver(connections.reactor, connections.close())
+        self._reactor.close()
 
     def run(
         self,
@@ -94,6 +83,7 @@ class NodeGroup:
         every: bool = False,
         grants: bool = False,
         owed_for: float = 0.0,
+        spared: frozenset[int] = frozenset(),
     ) -> RoundResult:
         """Run ``script`` on every member at once; collect replies until the outcome is known.
 
@@ -103,12 +93,16 @@ class NodeGroup:
         later round's reader reads their replies and checks them then. ``grants``: the script
         grants a lock, which members with ``wait_replicas`` confirm only once replicas
         acknowledged it. ``owed_for``: the script is a clean-up of keys that may live this many
-        seconds; a member that is backed off or gives no reply gets it once it answers again (a
-        stalled server runs what it was sent before when it resumes).
+        seconds, whose first argument is the value it removes; a member that is backed off or
+        gives no reply gets it once it answers again (a stalled server runs what it was sent
+        before when it resumes), but those ``spared`` (indexes): what it removes never reached
+        them (`RoundResult.unsent` of the round that would have set it).
         """
-        members = Members(self.nodes, self.node_timeout, self.connections(), self.script_head)
+        members = Members(self.nodes, self.node_timeout, self.reactor(), self.script_head)
         owed_until = time.monotonic() + owed_for if owed_for > 0 else 0.0
-        round_ = Round(members, script, keys, arguments, judge, every, grants, owed_until, wait)
+        round_ = Round(
+            members, script, keys, arguments, judge, every, grants, owed_until, wait, spared
+        )
         if not wait:
             round_.start()
             return RoundResult([], 0, 0, time.monotonic(), [])
@@ -128,75 +122,79 @@ class NodeGroup:
         for node in self.nodes:
             node.confirm(extension)
 
-    def forgive(self, key: str, value: str) -> None:
+    def forgive(self, key: str, value: str) -> frozenset[int]:
         """Drop the clean-ups owed for ``value`` at ``key``, as a round is about to set it
-        (`Endpoint.forgive`)."""
+        (`Endpoint.forgive`); returns the members that were owed one (they may hold it)."""
         encoded = value.encode()
-        for node in self.nodes:
+        owed = []
+        for index, node in enumerate(self.nodes):
             endpoint = endpoint_of(node, key)
-            if endpoint is not None:
-                endpoint.forgive(encoded)
+            if endpoint is not None and endpoint.forgive(encoded):
+                owed.append(index)
+        return frozenset(owed)
 
     def listen_for_releases(self, channel: str) -> contextlib.closing[ReleaseListener]:
         """Subscriptions to ``channel`` (a lock key) on every member that is not backed off, for
         a ``with`` block."""
-        return contextlib.closing(ReleaseListener(self, self.connections(), channel))
+        return contextlib.closing(ReleaseListener(self, self.reactor(), channel))
 
 
 class ReleaseListener(Waiting):
     """Subscriptions to a lock's release channel on every reachable member, for blocking
     waits."""
 
-    def __init__(self, group: NodeGroup, connections: Connections, channel: str) -> None:
+    def __init__(self, group: NodeGroup, reactor: Reactor, channel: str) -> None:
         super().__init__()
-        self.connections = connections
+        self.reactor = reactor
         self.channel = channel
         self.notified = False
-        self.subscribers: list[Subscriber] = []
+        self.endpoints: list[Endpoint] = []
+        self._unconfirmed: set[Endpoint] = set()
         now = time.monotonic()
         lateness: list[float] = []
         for node in group.nodes:
             endpoint = node.endpoint_for(channel)
-            if endpoint is None or endpoint.is_backed_off(now):
+            if endpoint is None or endpoint.is_backed_off(now) or endpoint in self._unconfirmed:
                 continue
-            subscriber = connections.subscriber(endpoint)
-            if subscriber.listen(channel, self):
-                self.subscribers.append(subscriber)
-                lateness.append(endpoint.lateness)
+            self.endpoints.append(endpoint)
+            self._unconfirmed.add(endpoint)
+            lateness.append(endpoint.lateness)
+        for endpoint in self.endpoints:
+            reactor.listen(endpoint, channel, self)
         # Subscribed only once the servers confirm: a release before that would go unheard.
-        waited = patience(group.node_timeout, lateness, len(lateness))
-        deadline = time.monotonic() + waited
-        while not all(subscriber.confirmed(channel) for subscriber in self.subscribers):
-            self.satisfied = False
-            wait(connections.reactor, self, deadline)
-            if not self.satisfied and time.monotonic() >= deadline:
-                break
+        deadline = time.monotonic() + patience(group.node_timeout, lateness, len(lateness))
+        while self._unconfirmed and not self.satisfied and time.monotonic() < deadline:
+            reactor.wait(self, deadline)
 
     def deliver(self, slot: Slot) -> None:
-        if slot.tag == "message":
+        kind, endpoint = slot.tag
+        if kind == "message":
             self.notified = True
-        self.satisfy()
+            self.wakeup.wake()
+        else:  # "subscribed", or "lost" (no notifications from that server)
+            self._unconfirmed.discard(endpoint)
+            if not self._unconfirmed:
+                self.satisfy()
 
     def close(self) -> None:
         """Drop the subscriptions."""
-        for subscriber in self.subscribers:
-            subscriber.stop(self.channel, self)
-        self.subscribers.clear()
+        for endpoint in self.endpoints:
+            self.reactor.stop_listening(endpoint, self.channel, self)
+        self.endpoints.clear()
 
     def wait(self, seconds: float) -> bool:
         """Sleep up to ``seconds``; True as soon as any member announced a release — including
         one announced since the previous wait (an attempt in between must not miss it)."""
-        if not self.subscribers:
+        if not self.endpoints:
             time.sleep(max(seconds, 0))
             return False
-        reactor = self.connections.reactor
         deadline = time.monotonic() + max(seconds, 0)
         while True:
-            with reactor.lock:
+            with self.reactor.lock:
                 if self.notified:
                     self.notified = False
                     return True
-                self.satisfied = False
-            if time.monotonic() >= deadline:
+            left = deadline - time.monotonic()
+            if left <= 0:
                 return False
-            wait(reactor, self, deadline)
+            self.wakeup.sleep(left)

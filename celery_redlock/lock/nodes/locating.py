@@ -16,6 +16,7 @@ from typing import TypeVar
 
 from ...errors import RedlockError
 from .endpoint import Endpoint
+from .wakeups import Flag
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +96,7 @@ class Locator:
         # No lock: one held by another thread at a fork would stay held in the child for ever.
         self._looking_pid = 0
         self._again = False  # a look was asked for while one was under way
-        self._finished = threading.Event()
+        self._finished = Flag()
 
     def ensure(self, wait_for_the_look: bool = False) -> bool:
         """True once located. Until then, starts a look (unless one is under way or failed less
@@ -128,7 +129,7 @@ class Locator:
         self._looking_pid = pid
         starts_at = self._looked_at + RELOCATE_INTERVAL_SECONDS if just_looked else now
         self._looked_at = starts_at  # before the thread runs: `ensure` waits from it
-        self._finished = finished = threading.Event()
+        self._finished = finished = Flag()
         threading.Thread(
             target=self._run,
             args=(finished, starts_at),
@@ -136,7 +137,7 @@ class Locator:
             daemon=True,
         ).start()
 
-    def _run(self, finished: threading.Event, starts_at: float) -> None:
+    def _run(self, finished: Flag, starts_at: float) -> None:
         try:
             while True:
                 time.sleep(max(starts_at - time.monotonic(), 0))

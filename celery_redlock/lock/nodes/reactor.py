@@ -1,289 +1,437 @@
-"""A process's connections to the servers of one group (`Connections`), and who reads them: the
-threads that wait, one at a time (`Reactor`).
+"""One owner per process for the connections of one group (`Reactor`), and what callers wait on
+(`Waiting`).
 
-A thread that waits for replies (a `Waiting`) becomes the *reader* when nobody else is reading:
-it polls every connection of the process and reads what arrives into the slots it answers. After
-every poll the layer above hands those slots to their waiters (`nodes.round.deliver`); the waiter
-of a slot is woken only once what it waits for is complete. When its own wait is over, the
-reader passes the role to one thread still waiting. A thread on its own is always the reader —
-no hand-off, no extra thread. Commands queued while the reader polls, on connections that owe
-replies, are written by the reader when its poll ends (`Channel.flush`). There is no thread per
-call and no background reader: with gevent or eventlet, the waiting greenlets take turns the
-same way.
+The invariants of the nodes layer stand here:
 
-Everything that waits here has a deadline; a deadline that passes wakes its waiter whatever the
-others do. After a fork, the child has a reactor of its own (`nodes.group`).
+- **One thread owns every connection.** The reactor thread (a greenlet where gevent or eventlet
+  patch the process) alone connects (through short-lived connect threads that hand it the
+  socket), writes, reads, and touches a `Channel` or a `Subscriber`: their queues, parsers and
+  sockets. What is queued for a socket goes out in one write; every readable socket is read
+  per wake-up.
+- **Callers only post and wait.** A caller (any thread) hands the reactor a request — a
+  function and its arguments appended to the inbox, one atomic step — and wakes it; then it
+  waits on its `Waiting` until the waiting is satisfied, calls for attention, or its deadline
+  passes. A signal handler raising in a caller (Celery's soft time limit, SIGALRM, Ctrl-C: they
+  run in the main thread only) can cut short only that caller: a request is in the inbox whole
+  or not at all, and the reactor finishes whatever is in it. Nothing a caller does can shift a
+  reply onto another caller's slot.
+- **Waiters are judged under the reactor's lock.** The reactor hands each answered slot to its
+  waiter (`Waiter.deliver`, e.g. a round counting votes) with `Reactor.lock` held; a caller reads
+  or changes its waiting's state under the same lock. The lock is never held during I/O, and
+  what a waiter returns from `deliver` (a follow-up: a redirection, a script load) runs on the
+  reactor thread once the lock is free, and only posts requests.
+- **Every wait has a deadline.** A server that owes replies and stays silent for
+  `hung_after` is failed by the reactor's own timer, and every slot on it is answered with
+  `NO_REPLY`; a caller never waits past its own deadline, whatever the reactor does.
+- **A forked child gets its own reactor** (`nodes.group`): the parent's sockets are closed in
+  the child, and its thread does not exist there.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import logging
 import os
+import select
+import socket
 import threading
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from redis.exceptions import RedisError as RedisClientError
 
 from ..scripts import LOADED_ON_CONNECT
-from .channel import Channel, Slot, wait_readable
+from .channel import Channel, Slot, hung_after
 from .endpoint import Endpoint
 from .resp import pack_command
 from .subscriber import Subscriber
+from .wakeups import Flag, Wakeup
 
+logger = logging.getLogger(__name__)
 
-class Waiting:
-    """Something a thread waits for (a round of replies, a release notification). Subclasses
-    define `deliver`, told of each answered slot of theirs, and call `satisfy` (with the
-    reactor's lock held) once it is complete."""
+IDLE_SECONDS = 0.25
+"""How long the reactor sleeps at most when nothing is due: a request whose wake-up a signal
+handler cut short (it interrupted its caller between posting and waking) waits no longer."""
 
-    def __init__(self) -> None:
-        self.satisfied = False
-        self.attention = False  # its thread must act before waiting on (see `call_attention`)
-        self.asleep = False  # its thread sleeps (or is about to): only then is it woken
-        self._wakeup = threading.Lock()
-        self._wakeup.acquire()
+IDLE_CHECK_SECONDS = 0.25
+"""A connection idle this long is checked for a server that closed it before it is used."""
 
-    def satisfy(self) -> None:
-        """Mark the wait complete and wake its thread."""
-        self.satisfied = True
-        self.wake()
-
-    def call_attention(self) -> None:
-        """Wake the waiting thread to act (send a follow-up command) before it waits on."""
-        self.attention = True
-        self.wake()
-
-    def wake(self) -> None:
-        """Wake the waiting thread (to find itself satisfied, or to take over reading) if it
-        sleeps; a thread that reads finds out by itself. Called with the reactor's lock held."""
-        if self.asleep:
-            self.asleep = False
-            with contextlib.suppress(RuntimeError):  # woken already
-                self._wakeup.release()
-
-
-class Reactor:
-    """The reads of one process's connections (see the module docstring)."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.channels: list[Channel | Subscriber] = []
-        self.writers: list[Channel] = []
-        self.polling = False  # a reader polls: it flushes the writers once the poll ends
-        self._reading = False
-        self._waiting: dict[Waiting, None] = {}  # those asleep or about to be, in order
-        # Written to when a connection is added while a reader polls, so that it polls it too.
-        self._wake_reader_read, self._wake_reader_write = os.pipe()
-        os.set_blocking(self._wake_reader_read, False)
-        os.set_blocking(self._wake_reader_write, False)
-        # Under eventlet, a second green thread writing the pipe while a first waits to is an
-        # error: connections opened at once (`Connections.open`) wake the reader one at a time.
-        self._wake_reader_guard = threading.Lock()
-
-    def add_channel(self, channel: Channel | Subscriber, writer: Channel | None = None) -> None:
-        """Read ``channel`` too from now on; ``writer`` (the channel itself, when it leaves
-        commands to the reader) is flushed after every poll."""
-        with self.lock:
-            if channel not in self.channels:
-                self.channels.append(channel)
-            if writer is not None and writer not in self.writers:
-                self.writers.append(writer)
-
-    def connection_opened(self) -> None:
-        """A channel opened a new connection: a reader polling now must poll it as well."""
-        with self._wake_reader_guard, contextlib.suppress(OSError):  # full: woken anyway
-            os.write(self._wake_reader_write, b"x")
-
-    def wait(
-        self, waiting: Waiting, deadline: float, answered: list[Slot]
-    ) -> Generator[None, None, None]:
-        """Wait until ``waiting`` is satisfied, calls for attention, or ``deadline``
-        (``time.monotonic()``) passes, reading for everybody while nobody else does. Yields
-        whenever a read put slots in ``answered``: the caller hands them to their waiters, and
-        empties the list, before it resumes the wait.
-
-        Safe against a signal handler raising at any point (a soft time limit): on the way out
-        (closed, too) the reading role is always given back, and the waiter taken off the list;
-        slots read before the interruption are in ``answered``."""
-        reading = looked = left = False
-        try:
-            while True:
-                with self.lock:
-                    if reading:  # back from reading: the role is free again
-                        self._reading = False
-                        reading = False
-                    now = time.monotonic()
-                    done = waiting.satisfied or waiting.attention
-                    if not done and now >= deadline:
-                        # A thread the CPU got to late may find its replies arrived in time,
-                        # unread: one last look (without waiting) before it gives up on them.
-                        done = looked or self._reading
-                        looked = True
-                        deadline = now
-                    if done:
-                        # On the way out with the lock held already (the `finally` clause takes
-                        # it only when cut short); leaving twice does no harm.
-                        self._leave_locked(waiting)
-                        left = True
-                        return
-                    if not self._reading:
-                        reading = True  # first: an interruption in between leaves no role held
-                        self._reading = True
-                        self._waiting.pop(waiting, None)
-                    else:
-                        waiting.asleep = True
-                        self._waiting[waiting] = None
-                if reading:
-                    yield from self._read_until(waiting, deadline, answered)
-                else:
-                    waiting._wakeup.acquire(timeout=max(deadline - now, 0.0))  # until woken
-        finally:
-            if not left:
-                with self.lock:
-                    if reading:
-                        self._reading = False
-                    self._leave_locked(waiting)
-
-    def _leave_locked(self, waiting: Waiting) -> None:
-        """Off the list; with nobody reading, wake one waiting thread to take over the reading
-        (``waiting``'s may have been woken to; the one woken may find itself done and pass it on
-        in turn)."""
-        waiting.asleep = False
-        self._waiting.pop(waiting, None)
-        if self._reading:
-            return
-        for other in self._waiting:
-            if not other.satisfied:
-                other.wake()
-                return
-
-    def _read_until(
-        self, waiting: Waiting, deadline: float, answered: list[Slot]
-    ) -> Generator[None, None, None]:
-        """Read until ``waiting`` is satisfied or calls for attention, or ``deadline`` passes;
-        at least one look, without waiting, even when it has passed already. Yields after every
-        poll that answered slots (see `wait`)."""
-        wake_descriptor = self._wake_reader_read
-        looked = False
-        while not (waiting.satisfied or waiting.attention):
-            left = deadline - time.monotonic()
-            if left <= 0 and looked:
-                return
-            looked = True
-            with self.lock:
-                by_descriptor = {channel.fileno(): channel for channel in self.channels}
-                writers = self.writers
-            by_descriptor.pop(-1, None)
-            self.polling = True
-            try:
-                ready = wait_readable([wake_descriptor, *by_descriptor], max(left, 0.0))
-            finally:
-                # First, even when a signal handler raises: the commands left to this reader
-                # while it polled (a command queued from now on is written by its sender).
-                self.polling = False
-                for writer in writers:
-                    answered += writer.flush()
-            for descriptor in ready:
-                if descriptor == wake_descriptor:
-                    with contextlib.suppress(OSError):
-                        os.read(wake_descriptor, 4096)
-                    continue
-                by_descriptor[descriptor].read(descriptor, answered)
-            if answered:
-                yield
-
-    def close(self) -> None:
-        """Close the wake-up pipe (the channels are closed by their owners)."""
-        for descriptor in (self._wake_reader_read, self._wake_reader_write):
-            with contextlib.suppress(OSError):
-                os.close(descriptor)
-
+CLOSE_WAIT_SECONDS = 5.0
+"""How long `Reactor.close` waits for the reactor thread to close the connections."""
 
 # Sent before the first command of every new connection (their replies are skipped): a round
 # that decides before a slow server answers would never read its NOSCRIPT.
 SCRIPT_LOADS = tuple(pack_command("SCRIPT", "LOAD", script.source) for script in LOADED_ON_CONNECT)
 
+Target = Channel | Subscriber
 
-class Connections:
-    """This process's connections to the servers of one group: one `Channel` per server, one
-    `Subscriber` per server for release notifications, and the `Reactor` that reads them."""
+
+class Waiting:
+    """Something a caller waits for (a round of replies, release notifications). Subclasses
+    define `deliver`, told of each answered slot of theirs on the reactor thread, and call
+    `satisfy` (with the reactor's lock held) once it is complete."""
 
     def __init__(self) -> None:
+        self.satisfied = False
+        self.attention = False  # its caller must act before waiting on (see `call_attention`)
+        self.wakeup = Wakeup()
+
+    def satisfy(self) -> None:
+        """Mark the wait complete and wake its caller."""
+        self.satisfied = True
+        self.wakeup.wake()
+
+    def call_attention(self) -> None:
+        """Wake the caller to act (send a follow-up command) before it waits on."""
+        self.attention = True
+        self.wakeup.wake()
+
+
+class _Poller:
+    """The sockets the reactor reads, by descriptor: ``poll`` where there is one, else
+    ``select`` (eventlet's monkey patching removes ``select.poll``)."""
+
+    def __init__(self) -> None:
+        self._poll = select.poll() if hasattr(select, "poll") else None
+        self.watched: dict[int, Any] = {}
+
+    def watch(self, descriptor: int, target: Any) -> None:
+        self.watched[descriptor] = target
+        if self._poll is not None:
+            self._poll.register(descriptor, select.POLLIN)
+
+    def forget(self, descriptor: int, target: Any) -> None:
+        """Stop polling ``descriptor`` unless it was taken over by another target since (a new
+        socket with the number of a closed one)."""
+        if self.watched.get(descriptor) is not target:
+            return
+        del self.watched[descriptor]
+        if self._poll is not None:
+            with contextlib.suppress(KeyError, ValueError):
+                self._poll.unregister(descriptor)
+
+    def ready(self, timeout: float) -> list[int]:
+        if self._poll is not None:
+            return [descriptor for descriptor, _ in self._poll.poll(max(timeout, 0.0) * 1000)]
+        readable, _, _ = select.select(list(self.watched), [], [], max(timeout, 0.0))
+        return list(readable)
+
+
+class Reactor:
+    """This process's connections to the servers of one group (one `Channel` and one
+    `Subscriber` per server), and the thread that owns them (see the module docstring).
+    ``node_timeout`` sets how long a silent server is waited for (`hung_after`)."""
+
+    def __init__(self, node_timeout: float) -> None:
         self.pid = os.getpid()
-        self.reactor = Reactor()
-        self.guard = threading.Lock()
-        self.channels: dict[int, Channel] = {}
-        self.subscribers: dict[int, Subscriber] = {}
+        self.hung_after = hung_after(node_timeout)
+        self.lock = threading.Lock()  # over the waiters' state (see the module docstring)
+        self.channels: dict[Endpoint, Channel] = {}
+        self.subscribers: dict[Endpoint, Subscriber] = {}
+        self._inbox: collections.deque[tuple[Callable[..., None], tuple[Any, ...]]] = (
+            collections.deque()
+        )
+        self._answered: list[Slot] = []  # slots to hand to their waiters this turn
+        self._looks: list[Flag] = []  # set once this turn has read every socket (`look`)
+        self._writers: dict[Target, None] = {}  # targets with something to write this turn
+        self._poller = _Poller()
+        self._registered: dict[Target, int] = {}
+        self._wake_reader, self._wake_writer = socket.socketpair()
+        self._wake_reader.setblocking(False)
+        self._wake_writer.setblocking(False)
+        self._woken = False
+        self._running = threading.Lock()  # held by the reactor thread for as long as it runs
+        self._starting = threading.Lock()
+        self._ident: int | None = None
+        self.disposed = False
 
-    def channel(self, endpoint: Endpoint) -> Channel:
-        """The connection to ``endpoint`` (made, not yet opened, on first use)."""
-        channel = self.channels.get(id(endpoint))
-        if channel is None:
-            with self.guard:
-                channel = self.channels.get(id(endpoint))
-                if channel is None:
-                    reactor = self.reactor
-                    channel = Channel(endpoint, SCRIPT_LOADS, reactor)
-                    reactor.add_channel(channel, channel)
-                    self.channels[id(endpoint)] = channel
-        return channel
+    # -- what callers do (any thread) --------------------------------------------------------
 
-    def open(self, endpoints: Sequence[Endpoint]) -> None:
-        """Open the connections to ``endpoints`` not open yet all at once, each in a thread of
-        its own but one in the caller's: a round's first call costs one connection's set-up
-        (a TLS handshake), not one per member. A connection is opened whole or not at all in
-        each thread; one interrupted in the caller's (a signal handler raising) is closed
-        (`Endpoint.open_socket`), and the others are opened all the same."""
-        # A channel whose lock is held while it has no connection is being connected by
-        # another thread: the first command waits for that connection, in parallel with these.
-        closed = [
-            channel
-            for channel in map(self.channel, endpoints)
-            if channel.socket is None and not channel.lock.locked()
-        ]
-        if len(closed) < 2:
-            return  # opened by its first command
-        helpers = [
-            threading.Thread(
-                target=channel.open,
-                name=f"celery-redlock connect {channel.endpoint.name}",
-                daemon=True,
-            )
-            for channel in closed[1:]
-        ]
-        for helper in helpers:
-            helper.start()
-        closed[0].open()
-        for helper in helpers:
-            helper.join()
+    def send(self, endpoint: Endpoint, payload: bytes, slots: Sequence[Slot]) -> None:
+        """Have ``payload`` written to ``endpoint``'s connection, its replies going to
+        ``slots`` in order (or `NO_REPLY`: the server is backed off, cannot be reached, or its
+        connection fails)."""
+        self._post(self._send, (endpoint, payload, slots))
 
-    def subscriber(self, endpoint: Endpoint) -> Subscriber:
-        """The release-notification connection to ``endpoint`` (made on first use)."""
-        subscriber = self.subscribers.get(id(endpoint))
-        if subscriber is None:
-            with self.guard:
-                subscriber = self.subscribers.get(id(endpoint))
-                if subscriber is None:
-                    subscriber = Subscriber(endpoint, self.reactor.connection_opened)
-                    self.reactor.add_channel(subscriber)
-                    self.subscribers[id(endpoint)] = subscriber
-        return subscriber
+    def listen(self, endpoint: Endpoint, channel: str, listener: Any) -> None:
+        """Subscribe ``listener`` (a `Waiter`) to ``channel`` on ``endpoint``."""
+        self._post(self._listen, (endpoint, channel, listener))
 
-    def close(self) -> list[Slot]:
-        """Close every connection; returns the slots still waiting, answered with no reply."""
-        failed: list[Slot] = []
-        for channel in list(self.channels.values()):
-            failed += channel.close()
-        for subscriber in list(self.subscribers.values()):
-            subscriber.close()
-        return failed
+    def stop_listening(self, endpoint: Endpoint, channel: str, listener: Any) -> None:
+        """Unsubscribe ``listener`` from ``channel`` on ``endpoint``."""
+        self._post(self._stop_listening, (endpoint, channel, listener))
+
+    def silent_for(self, endpoint: Endpoint, now: float, seconds: float) -> bool:
+        """True if ``endpoint`` has owed replies for ``seconds`` without sending anything."""
+        channel = self.channels.get(endpoint)
+        return channel is not None and channel.silent_for(now, seconds)
+
+    def wait(self, waiting: Waiting, deadline: float) -> None:
+        """Wait until ``waiting`` is satisfied, calls for attention, or ``deadline``
+        (``time.monotonic()``) passes."""
+        wakeup = waiting.wakeup
+        while not (waiting.satisfied or waiting.attention):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            wakeup.sleep(left)
+
+    def look(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds until the reactor thread has read every readable
+        socket once more, and handed what it read to its waiters."""
+        looked = Flag()
+        self._post(self._looks.append, (looked,))
+        looked.wait(timeout)
+
+    def close(self) -> None:
+        """Close every connection (the slots still waiting are answered with `NO_REPLY`); a
+        later request opens them again. Waits for the reactor thread to do it."""
+        if self.pid != os.getpid() or self.disposed:
+            return
+        done = Flag()
+        self._post(self._close_all, (done,))
+        if threading.get_ident() != self._ident:
+            done.wait(CLOSE_WAIT_SECONDS)
 
     def dispose(self) -> None:
-        """Close every socket without taking any lock: for a group that is gone, or the parent's
-        connections in a forked child (where another thread may have held a lock at the fork)."""
-        sockets = [channel.socket for channel in self.channels.values()]
-        sockets += [subscriber.socket for subscriber in self.subscribers.values()]
-        for sock in sockets:
+        """Stop for good: for a group that is gone, or the parent's reactor in a forked child
+        (where its thread does not exist)."""
+        self.disposed = True
+        if self.pid == os.getpid() and self._running.locked():
+            self._wake()  # the thread closes the sockets on its way out
+        else:
+            self.close_sockets()
+
+    def close_sockets(self) -> None:
+        """Close every socket without taking any lock (in a forked child, another thread of the
+        parent may have held one at the fork)."""
+        targets: list[Target] = [*self.channels.values(), *self.subscribers.values()]
+        for sock in (*[target.socket for target in targets], self._wake_reader, self._wake_writer):
             if sock is not None:
                 with contextlib.suppress(OSError):
                     sock.close()
-        self.reactor.close()
+
+    def _post(self, function: Callable[..., None], arguments: tuple[Any, ...]) -> None:
+        self._inbox.append((function, arguments))
+        if not self._running.locked():
+            self._start()
+        self._wake()
+
+    def _wake(self) -> None:
+        if not self._woken:
+            self._woken = True
+            with contextlib.suppress(OSError):  # full (woken anyway) or closed (disposed)
+                self._wake_writer.send(b"x")
+
+    def _start(self) -> None:
+        # A thread that finds another running leaves at once: two never own the connections.
+        with self._starting:
+            if self._running.locked() or self.disposed:
+                return
+            threading.Thread(target=self._run, name="celery-redlock reactor", daemon=True).start()
+
+    # -- the reactor thread ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        if not self._running.acquire(blocking=False):
+            return
+        self._ident = threading.get_ident()
+        try:
+            self._poller.watch(self._wake_reader.fileno(), None)
+            while not self.disposed:
+                try:
+                    self._turn()
+                except Exception:  # a bug, not a server's fault: the connections start anew
+                    logger.exception("celery-redlock's reactor failed; reconnecting")
+                    self._close_all(None)
+        finally:
+            with contextlib.suppress(Exception):
+                self._close_all(None)
+            self.close_sockets()
+            self._running.release()
+            self._drop_requests()
+
+    def _drop_requests(self) -> None:
+        """Once disposed of: drop what is left in the inbox, closing the sockets of connections
+        made too late."""
+        while True:
+            try:
+                function, arguments = self._inbox.popleft()
+            except IndexError:
+                return
+            if function == self._connection_made:
+                with contextlib.suppress(OSError):
+                    arguments[2].close()
+
+    def _turn(self) -> None:
+        """One turn: take the requests, write, hand replies over, wait for sockets (or the
+        next timer, or a request), read them."""
+        self._take_requests()
+        self._write_and_deliver()
+        timeout = 0.0 if self._inbox else self._next_timer(time.monotonic())
+        ready = self._poller.ready(timeout)
+        wake = self._wake_reader.fileno()
+        answered = self._answered
+        for descriptor in ready:
+            target = self._poller.watched.get(descriptor)
+            if descriptor == wake:
+                with contextlib.suppress(OSError):
+                    self._wake_reader.recv(4096)
+            elif target is not None:
+                target.read(answered)
+                self._rewatch(target)
+        now = time.monotonic()
+        for channel in list(self.channels.values()):
+            if channel.socket is not None and channel.owes:
+                answered += channel.fail_if_hung(now, self.hung_after)
+                self._rewatch(channel)
+        self._write_and_deliver()
+        looks, self._looks = self._looks, []
+        for looked in looks:
+            looked.set()
+
+    def _take_requests(self) -> None:
+        self._woken = False  # first: a request posted from now on wakes the next poll
+        inbox = self._inbox
+        while inbox:
+            function, arguments = inbox.popleft()
+            function(*arguments)
+
+    def _write_and_deliver(self) -> None:
+        answered = self._answered
+        writers, self._writers = self._writers, {}
+        for target in writers:
+            answered += target.write()
+            self._rewatch(target)
+        if answered:
+            batch = answered[:]
+            answered.clear()
+            self._deliver(batch)
+
+    def _deliver(self, slots: list[Slot]) -> None:
+        """Hand answered slots to their waiters; then run what the waiters left to do."""
+        afterwards = []
+        with self.lock:
+            for slot in slots:
+                if slot.waiter is not None:
+                    then = slot.waiter.deliver(slot)
+                    if then is not None:
+                        afterwards.append(then)
+        for then in afterwards:
+            then()
+
+    def _next_timer(self, now: float) -> float:
+        """Seconds until the next silent server counts as hung (at most `IDLE_SECONDS`)."""
+        timeout = IDLE_SECONDS
+        for channel in self.channels.values():
+            silence = channel.silence(now) if channel.socket is not None else 0.0
+            if silence:
+                timeout = min(timeout, max(self.hung_after - silence, 0.0) + 0.001)
+        return timeout
+
+    def _rewatch(self, target: Target) -> None:
+        """Poll ``target``'s current socket (none when it closed)."""
+        descriptor = target.fileno()
+        registered = self._registered.get(target, -1)
+        if descriptor == registered:
+            return
+        if registered != -1:
+            self._poller.forget(registered, target)
+            del self._registered[target]
+        if descriptor != -1:
+            self._poller.watch(descriptor, target)
+            self._registered[target] = descriptor
+
+    def _channel(self, endpoint: Endpoint) -> Channel:
+        channel = self.channels.get(endpoint)
+        if channel is None:
+            channel = self.channels[endpoint] = Channel(endpoint, SCRIPT_LOADS)
+        return channel
+
+    def _send(self, endpoint: Endpoint, payload: bytes, slots: Sequence[Slot]) -> None:
+        now = time.monotonic()
+        channel = self._channel(endpoint)
+        if channel.socket is None and not channel.connecting and endpoint.is_backed_off(now):
+            for slot in slots:
+                slot.failure, slot.done = endpoint.last_error, True
+            self._answered += slots
+            return
+        if channel.socket is not None:
+            if channel.owes:
+                # A server owing replies for longer than hung_after is hung: the command is not
+                # queued behind it, and the server is backed off (the slots fail at once).
+                self._answered += channel.fail_if_hung(now, self.hung_after)
+            else:
+                channel.close_if_closed_by_server(now, IDLE_CHECK_SECONDS)
+            self._rewatch(channel)
+            if channel.socket is None and endpoint.is_backed_off(now):
+                for slot in slots:
+                    slot.failure, slot.done = endpoint.last_error, True
+                self._answered += slots
+                return
+        if channel.queue(payload, slots, now):
+            self._connect(channel)
+        else:
+            self._writers[channel] = None
+
+    def _listen(self, endpoint: Endpoint, channel: str, listener: Any) -> None:
+        subscriber = self.subscribers.get(endpoint)
+        if subscriber is None:
+            subscriber = self.subscribers[endpoint] = Subscriber(endpoint)
+        if subscriber.listen(channel, listener, self._answered):
+            self._connect(subscriber)
+        else:
+            self._writers[subscriber] = None
+
+    def _stop_listening(self, endpoint: Endpoint, channel: str, listener: Any) -> None:
+        subscriber = self.subscribers.get(endpoint)
+        if subscriber is not None:
+            subscriber.stop(channel, listener)
+            self._writers[subscriber] = None
+
+    def _connect(self, target: Target) -> None:
+        """Make a connection for ``target`` in a thread of its own (a handshake blocks), so that
+        every other connection goes on meanwhile and several are made at once."""
+        attempt = target.start_connecting()
+        threading.Thread(
+            target=self._make_connection,
+            args=(target, attempt),
+            name=f"celery-redlock connect {target.endpoint.name}",
+            daemon=True,
+        ).start()
+
+    def _make_connection(self, target: Target, attempt: int) -> None:
+        """In a connect thread: open the socket and hand it to the reactor thread."""
+        try:
+            sock = target.endpoint.open_socket()
+        except (RedisClientError, OSError) as error:
+            self._post(self._connection_failed, (target, attempt, error))
+            return
+        except Exception as error:  # a bug in a connection class: the commands still fail
+            logger.exception("connecting to %s failed", target.endpoint.name)
+            self._post(self._connection_failed, (target, attempt, error))
+            return
+        self._post(self._connection_made, (target, attempt, sock))
+        if self.disposed:
+            self._drop_requests()  # the reactor thread may be gone: nobody else takes it
+
+    def _connection_made(self, target: Target, attempt: int, sock: Any) -> None:
+        if target.connected(attempt, sock):
+            self._rewatch(target)
+            self._writers[target] = None
+
+    def _connection_failed(self, target: Target, attempt: int, error: object) -> None:
+        self._answered += target.connect_failed(attempt, error)
+
+    def _close_all(self, done: Flag | None) -> None:
+        for channel in self.channels.values():
+            self._answered += channel.close()
+            self._rewatch(channel)
+        for subscriber in self.subscribers.values():
+            subscriber.close()
+            self._rewatch(subscriber)
+        self._write_and_deliver()
+        if done is not None:
+            done.set()

@@ -4,9 +4,9 @@ the source (NOSCRIPT); an error reply, or one the script cannot give, counts as 
 backs the server off.
 
 A round nobody waits for (``attended=False``: a release at the end of a run, the clean-up of a
-failed attempt) is only sent; whichever thread reads next checks its replies the same way, and
-follows a key that moved from there. A server that is backed off, or gives no reply, is owed a
-clean-up (`Endpoint.owe`): it gets it once it answers again."""
+failed attempt) is only sent; the reactor thread checks its replies the same way when they
+arrive, and follows a key that moved from there. A server that is backed off, or gives no reply,
+is owed a clean-up (`Endpoint.owe`): it gets it once it answers again."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..scripts import Script
-from .channel import NO_REPLY, Slot, hung_after
+from .channel import NO_REPLY, Slot
 from .endpoint import Endpoint
 from .members import LockNode
-from .reactor import Connections, Reactor, Waiting
+from .reactor import Reactor, Waiting
 from .resp import ErrorReply, pack_arguments, pack_command
 
 Judge = Callable[[Any], "bool | None"]
@@ -49,41 +49,6 @@ def patience(node_timeout: float, lateness: list[float], quorum: int) -> float:
     return min(max(node_timeout, late), node_timeout * LONGEST_PATIENCE)
 
 
-def deliver(reactor: Reactor, slots: list[Slot]) -> None:
-    """Hand answered slots to their waiters, emptying ``slots`` (then run what the waiters left
-    to do once the reactor's lock is free)."""
-    if not slots:
-        return
-    afterwards = []
-    with reactor.lock:
-        # Taken off the list first: a signal handler raising on the way may lose slots, but
-        # never hands one over twice (the caller's clean-up delivers what is left).
-        batch = slots[:]
-        del slots[:]
-        for slot in batch:
-            if slot.waiter is not None:
-                then = slot.waiter.deliver(slot)
-                if then is not None:
-                    afterwards.append(then)
-    for then in afterwards:
-        then()
-
-
-def wait(reactor: Reactor, waiting: Waiting, deadline: float) -> None:
-    """Wait for ``waiting`` (`Reactor.wait`) until ``deadline``, handing what this thread reads
-    for everybody to their waiters as it goes."""
-    answered: list[Slot] = []
-    reads = reactor.wait(waiting, deadline, answered)
-    try:
-        for _ in reads:
-            deliver(reactor, answered)
-    finally:  # interrupted (a signal handler raising): what was read still reaches its waiters
-        try:
-            deliver(reactor, answered)
-        finally:
-            reads.close()
-
-
 def endpoint_of(node: LockNode, key: str) -> Endpoint | None:
     """The server a command on ``key`` goes to now (`LockNode.endpoint_for`); a standalone
     member's own, without the call."""
@@ -95,13 +60,15 @@ def endpoint_of(node: LockNode, key: str) -> Endpoint | None:
 class RoundResult:
     """What one round learned: each member's reply (``NO_REPLY`` where none was usable), how many
     members answered (error replies and replies the script cannot give are not answers), how
-    many succeeded, and for each member without a usable reply why (else None)."""
+    many succeeded, for each member without a usable reply why (else None), and which members
+    the command never went to (`unsent`: they cannot have run it)."""
 
     replies: list[Any]
     successes: int
     answered: int
     finished_at: float
     failures: list[str | None]
+    unsent: frozenset[int] = frozenset()  # the members the command never went to
 
     def unavailable_reasons(self, names: Sequence[str]) -> tuple[str, ...]:
         """``"<member>: <why>"`` for every member that gave no usable reply."""
@@ -143,7 +110,7 @@ class Members:
 
     nodes: Sequence[LockNode]
     node_timeout: float
-    connections: Connections
+    reactor: Reactor
     script_head: Callable[[Script, bool], bytes]
 
 
@@ -161,12 +128,13 @@ class Round(Waiting):
         grants: bool,
         owed_until: float = 0.0,
         attended: bool = True,
+        spared: frozenset[int] = frozenset(),
     ) -> None:
         super().__init__()
         self.nodes = nodes = members.nodes
         self.node_timeout = members.node_timeout
         self.quorum = len(nodes) // 2 + 1
-        self.connections = members.connections
+        self.reactor = members.reactor
         self.script = script
         self.script_head = members.script_head
         self.key = keys[0]
@@ -174,7 +142,10 @@ class Round(Waiting):
         self.judge = judge
         self.every = every
         self.grants = grants  # a grant that must reach the replicas of members that wait for them
-        self.owed_until = owed_until  # a member that does not answer is owed it until then
+        # A member that does not answer is owed it until then (its first argument the value it
+        # removes), but those ``spared``: what it removes never reached them.
+        self.owed_until = owed_until
+        self.spared = spared
         self.attended = attended
         # Scripts marked inline (releases), and every call nobody waits for, carry their source:
         # a NOSCRIPT that arrives after the round decided, or unattended, would go unanswered.
@@ -183,6 +154,7 @@ class Round(Waiting):
         self.replies: list[Any] = [NO_REPLY] * count
         self.why_not: list[str | None] = ["not asked"] * count
         self.calls: list[NodeCall | None] = [None] * count
+        self.sent = [False] * count  # the command went to the member (or where it pointed)
         self.follow_ups: list[tuple[NodeCall, Slot]] = []
         # A member's command is followed to another server (or sent again with its script) at
         # most this often per round: a redirection loop (ASKING denied) ends as no answer.
@@ -210,7 +182,6 @@ class Round(Waiting):
                 skipped.append((index, node, endpoint))
             else:
                 sending.append((index, node, endpoint))
-        self.connections.open([endpoint for _, _, endpoint in sending])
         lateness: list[float] = []
         for index, node, endpoint in sending:
             lateness.append(endpoint.lateness)
@@ -226,20 +197,21 @@ class Round(Waiting):
             call = (1, call[1], *call[1 + int(call[0]) :])
         return pack_command(*call, head=self.script_head(self.script, by_source), head_count=2)
 
-    def _owe(self, endpoint: Endpoint) -> None:
-        if self.owed_until:
-            endpoint.owe(self._packed(by_source=True), self.owed_until)
+    def _owe(self, index: int, endpoint: Endpoint) -> None:
+        if self.owed_until and index not in self.spared:
+            value = str(self.call[1 + int(self.call[0])]).encode()
+            endpoint.owe(value, self._packed(by_source=True), self.owed_until)
 
     def _skip(self, skipped: list[tuple[int, LockNode, Endpoint | None]], packed: bytes) -> None:
-        reactor = self.connections.reactor
+        reactor = self.reactor
         with reactor.lock:
             for index, node, endpoint in skipped:
                 why = endpoint.last_error if endpoint is not None else node.locating_error()
                 self._settle(index, f"skipped while backed off ({why})")
-        for _, node, endpoint in skipped:
+        for index, node, endpoint in skipped:
             if endpoint is not None:
                 node.notice_failure(endpoint)
-                self._owe(endpoint)
+                self._owe(index, endpoint)
         probing = [
             (index, node, endpoint)
             for index, node, endpoint in skipped
@@ -281,13 +253,9 @@ class Round(Waiting):
         call.replicas = call.slots[-1] if waits else None
         packed = b"".join(commands)  # the command itself when alone
         self.calls[index] = call
+        self.sent[index] = True
         self.why_not[index] = None
-        # A server owing a reply for longer than hung_after is hung: the command is not queued
-        # behind it, and the server is backed off (the slots fail at once).
-        channel = self.connections.channel(endpoint)
-        failed = channel.send(packed, call.slots, late_after=hung_after(self.node_timeout))
-        if failed:
-            deliver(self.connections.reactor, failed)
+        self.reactor.send(endpoint, packed, call.slots)
 
     # -- replies (with the reactor's lock held) ----------------------------------------------
 
@@ -324,8 +292,7 @@ class Round(Waiting):
         noscript = isinstance(reply, ErrorReply) and reply.code == "NOSCRIPT"
         if noscript and self.successes >= self.quorum:
             packed = self._packed(by_source=True)
-            failed = self.connections.channel(call.endpoint).send(packed, [Slot(None, "late")])
-            deliver(self.connections.reactor, failed)
+            self.reactor.send(call.endpoint, packed, [Slot(None, "late")])
 
     def _take(self, call: NodeCall) -> None:
         assert call.main is not None
@@ -333,7 +300,7 @@ class Round(Waiting):
         node = self.nodes[index]
         if call.main.failure:
             node.notice_failure(endpoint)
-            self._owe(endpoint)
+            self._owe(index, endpoint)
             self._settle(index, call.main.failure)
             return
         denied = [slot.reply for slot in call.slots if isinstance(slot.reply, ErrorReply)]
@@ -347,7 +314,7 @@ class Round(Waiting):
                 self._settle(index, f"the slot is moving: {reply}")
             else:
                 endpoint.mark_down(time.monotonic(), f"error reply: {reply}")
-                self._owe(endpoint)
+                self._owe(index, endpoint)
                 self._settle(index, endpoint.last_error)
             return
         verdict = self.judge(reply)
@@ -408,10 +375,14 @@ class Round(Waiting):
 
     def collect(self) -> None:
         """Wait for replies until the outcome is known or node_timeout has passed (counted from
-        the last send), following redirections and script loads on the way."""
-        reactor = self.connections.reactor
+        the last send), following redirections and script loads on the way. Once the deadline
+        passed, the reactor reads every socket once more before the round gives up on the
+        members still silent: on a busy host their replies may have arrived in time, unread
+        while the reactor thread waited for a CPU."""
+        reactor = self.reactor
+        looked = False
         while True:
-            wait(reactor, self, self.deadline)
+            reactor.wait(self, self.deadline)
             if self.satisfied and not self.attention:
                 return  # satisfied is set once and for all: no lock needed to read it
             with reactor.lock:
@@ -428,7 +399,10 @@ class Round(Waiting):
                 self.deadline = max(self.deadline, time.monotonic() + self.patience)
                 continue
             if time.monotonic() >= self.deadline:
-                break
+                if looked:
+                    break
+                looked = True
+                reactor.look(self.patience)
         self._time_out()
 
     def _follow(self, call: NodeCall, reply: ErrorReply) -> None:
@@ -451,7 +425,7 @@ class Round(Waiting):
         else:
             redirect = node.redirect(reply, call.endpoint)
         if redirect is None:
-            with self.connections.reactor.lock:
+            with self.reactor.lock:
                 self._take(call)
             return
         packed = self._packed(by_source=self.by_source, alone=alone)
@@ -459,30 +433,27 @@ class Round(Waiting):
 
     def _time_out(self) -> None:
         """Whoever has not answered misses this round. A server that sent nothing for the
-        round's patience is backed off, and once silent for `hung_after` its connection fails
-        (with every slot waiting on it, other rounds' too). One that keeps answering, only late,
-        is left alone: its late replies are read and dropped."""
+        round's patience is backed off (the reactor fails its connection once it is silent for
+        `nodes.channel.hung_after`, with every slot waiting on it). One that keeps answering,
+        only late, is left alone: its late replies are read and dropped."""
         now = time.monotonic()
-        failed: list[Slot] = []
         waited = f"no reply within {self.patience:.3g}s"
         for call in self.calls:
-            if call is not None and call.main is not None and not call.main.done:
-                channel = call.main.channel
-                if channel is not None:
-                    failed_now = channel.fail_if_late(now, hung_after(self.node_timeout))
-                    if not failed_now and channel.silent_for(now, self.patience):
-                        call.endpoint.mark_down(now, waited)
-                    failed += failed_now
-        reactor = self.connections.reactor
-        deliver(reactor, failed)
-        with reactor.lock:
+            if (
+                call is not None
+                and call.main is not None
+                and not call.main.done
+                and self.reactor.silent_for(call.endpoint, now, self.patience)
+            ):
+                call.endpoint.mark_down(now, waited)
+        with self.reactor.lock:
             for call in self.calls:
                 if call is not None and not all(slot.done for slot in call.slots):
                     self.calls[call.index] = None
                     if call.endpoint.is_backed_off(now):
                         # Silent: its connection may fail before the command is read. A server
                         # that is only late reads it in order behind what it was sent before.
-                        self._owe(call.endpoint)
+                        self._owe(call.index, call.endpoint)
                     if call.main is not None and call.main.done and call.replicas is not None:
                         why = f"its replicas did not acknowledge within {self.patience:.3g}s"
                         self._settle(call.index, f"{why} (WAIT)")
@@ -495,9 +466,14 @@ class Round(Waiting):
         if self.outstanding <= 0:  # every member has answered or failed: nothing changes now
             self.finished = True
             return RoundResult(
-                self.replies, self.successes, self.answered, time.monotonic(), self.why_not
+                self.replies,
+                self.successes,
+                self.answered,
+                time.monotonic(),
+                self.why_not,
+                self.unsent(),
             )
-        with self.connections.reactor.lock:
+        with self.reactor.lock:
             self.finished = True
             return RoundResult(
                 list(self.replies),
@@ -505,4 +481,9 @@ class Round(Waiting):
                 self.answered,
                 time.monotonic(),
                 list(self.why_not),
+                self.unsent(),
             )
+
+    def unsent(self) -> frozenset[int]:
+        """The members the command never went to (backed off, or not located)."""
+        return frozenset(index for index, sent in enumerate(self.sent) if not sent)

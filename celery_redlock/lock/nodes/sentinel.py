@@ -37,6 +37,7 @@ from .endpoint import PROBE_TIMEOUT_SECONDS, Endpoint, KnownServers
 from .locating import Locator, every_answer, first_answer
 from .members import LockNode
 from .resp import ErrorReply
+from .wakeups import Flag
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +119,7 @@ class SentinelNode(LockNode):
         # One value, replaced whole: the listening threads and the looks write it, rounds read it.
         self._view = View(None)
         self._announced = 0  # how many announcements were heard: a look older than one is stale
-        self._asking = (-FRESH_SECONDS, threading.Event())  # the last question `confirm` asked
+        self._asking = (-FRESH_SECONDS, Flag())  # the last question `confirm` asked
         self._unanswered_until = 0.0  # `confirm` does not ask until then: nobody answered it
         self.locator = Locator(self.name, self._ask_sentinels, master.timeout)
         self.announcements = Announcements(self)
@@ -171,7 +172,7 @@ class SentinelNode(LockNode):
         if time.monotonic() - started <= FRESH_SECONDS:
             asked.wait(patience)  # callers at the same moment share one question
             return
-        self._asking = (time.monotonic(), asked := threading.Event())
+        self._asking = (time.monotonic(), asked := Flag())
         try:
             self._ask(patience)
         except RedlockError as error:

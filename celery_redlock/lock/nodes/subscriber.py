@@ -1,35 +1,37 @@
 """Release notifications (`Subscriber`): one subscribed connection per server and process,
 whoever listens. A release publishes on the lock key's channel; every thread waiting for that
-lock is woken, instead of each waiting thread holding a connection of its own."""
+lock is woken, instead of each waiting thread holding a connection of its own.
+
+Like a `nodes.channel.Channel`, a subscriber is touched by its process's reactor thread alone."""
 
 from __future__ import annotations
 
 import contextlib
 import ssl
-import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 from redis.exceptions import RedisError as RedisClientError
 
 from .channel import READ_SIZE, Slot, Waiter
-from .endpoint import Endpoint
+from .endpoint import Endpoint, describe_failure
 from .resp import INCOMPLETE, ProtocolError, new_reply_parser, pack_command
 
 
 class Subscriber:
     """The subscribed connection to one server, shared by every listener of this process. A
-    listener is told by a slot tagged ``"subscribed"`` (the server confirmed a subscription),
-    ``"message"`` (a release) or ``"lost"`` (the connection failed)."""
+    listener is told by a slot tagged ``("subscribed", endpoint)`` (the server confirmed its
+    subscription), ``("message", endpoint)`` (a release) or ``("lost", endpoint)`` (the
+    connection failed, or could not be made)."""
 
-    def __init__(self, endpoint: Endpoint, on_connect: Callable[[], None]) -> None:
+    def __init__(self, endpoint: Endpoint) -> None:
         self.endpoint = endpoint
-        self.on_connect = on_connect
-        self.lock = threading.Lock()
         self.socket: Any = None
+        self.connecting = 0  # the number of the connection attempt under way (0: none)
+        self.attempts = 0
         self._parser = new_reply_parser()
         self._listeners: dict[str, set[Waiter]] = {}
+        self._outbox: list[bytes] = []
         self._confirmed: set[str] = set()
 
     def fileno(self) -> int:
@@ -37,55 +39,78 @@ class Subscriber:
         sock = self.socket
         return sock.fileno() if sock is not None else -1
 
-    def listen(self, channel: str, listener: Waiter) -> bool:
-        """Have ``listener`` told of releases on ``channel``; False if the server cannot be
-        reached (the listener then waits without notifications from it)."""
-        with self.lock:
-            try:
-                if self.socket is None:
-                    self.socket = self.endpoint.open_socket()
-                    self._parser = new_reply_parser()
-                    self._confirmed.clear()
-                    names = list(self._listeners)
-                    if names:
-                        self.socket.sendall(pack_command("SUBSCRIBE", *names))
-                    self.on_connect()
-                first = channel not in self._listeners
-                self._listeners.setdefault(channel, set()).add(listener)
-                if first:
-                    self.socket.sendall(pack_command("SUBSCRIBE", channel))
-            except (RedisClientError, OSError):
-                self._listeners.get(channel, set()).discard(listener)
-                self._close_locked()
-                return False
-        return True
-
-    def confirmed(self, channel: str) -> bool:
-        """True once the server confirmed the subscription to ``channel`` (or the connection
-        failed: there is nothing left to wait for)."""
-        return self.socket is None or channel in self._confirmed
+    def listen(self, channel: str, listener: Waiter, told: list[Slot]) -> bool:
+        """Have ``listener`` told of releases on ``channel`` (told at once, in ``told``, when the
+        server confirmed that subscription before). Returns True if a connection must be made
+        first (`start_connecting`)."""
+        first = channel not in self._listeners
+        self._listeners.setdefault(channel, set()).add(listener)
+        if self.socket is None:
+            return not self.connecting
+        if first:
+            self._outbox.append(pack_command("SUBSCRIBE", channel))
+        elif channel in self._confirmed:
+            told.append(Slot(listener, ("subscribed", self.endpoint)))
+        return False
 
     def stop(self, channel: str, listener: Waiter) -> None:
         """Stop telling ``listener`` of releases on ``channel``."""
-        with self.lock:
-            listeners = self._listeners.get(channel)
-            if listeners is None:
-                return
-            listeners.discard(listener)
-            if listeners:
-                return
-            del self._listeners[channel]
-            self._confirmed.discard(channel)
-            if self.socket is not None:
-                try:
-                    self.socket.sendall(pack_command("UNSUBSCRIBE", channel))
-                except OSError:
-                    self._close_locked()
+        listeners = self._listeners.get(channel)
+        if listeners is None:
+            return
+        listeners.discard(listener)
+        if listeners:
+            return
+        del self._listeners[channel]
+        self._confirmed.discard(channel)
+        if self.socket is not None:
+            self._outbox.append(pack_command("UNSUBSCRIBE", channel))
 
-    def read(self, descriptor: int, told: list[Slot]) -> None:
+    def start_connecting(self) -> int:
+        """Note that a connection is being made; returns the attempt's number."""
+        self.attempts += 1
+        self.connecting = self.attempts
+        return self.attempts
+
+    def connected(self, attempt: int, sock: Any) -> bool:
+        """Take ``sock`` (from attempt ``attempt``) and subscribe to every channel listened to.
+        False (and the socket closed) if the attempt is stale or nobody listens any more."""
+        if attempt != self.connecting or not self._listeners:
+            with contextlib.suppress(OSError):
+                sock.close()
+            if attempt == self.connecting:
+                self.connecting = 0
+            return False
+        self.connecting = 0
+        sock.setblocking(False)
+        self.socket = sock
+        self._parser = new_reply_parser()
+        self._outbox = [pack_command("SUBSCRIBE", *self._listeners)]
+        return True
+
+    def connect_failed(self, attempt: int, error: object) -> list[Slot]:
+        """Connection attempt ``attempt`` failed: every listener is told (``"lost"``)."""
+        if attempt != self.connecting:
+            return []
+        self.connecting = 0
+        return self._lose(f"cannot connect: {describe_failure(error)}")
+
+    def write(self) -> list[Slot]:
+        """Write the (un)subscriptions queued; the listeners are told if the connection fails."""
+        if not self._outbox or self.socket is None:
+            return []
+        payload = b"".join(self._outbox)
+        self._outbox.clear()
+        try:
+            self.socket.sendall(payload)
+        except (OSError, RedisClientError):
+            return self._lose("the subscribed connection was lost")
+        return []
+
+    def read(self, told: list[Slot]) -> None:
         """Read what arrived; add to ``told`` a slot per listener to tell (see `Subscriber`)."""
         sock = self.socket
-        if sock is None or sock.fileno() != descriptor:
+        if sock is None:
             return
         try:
             data = sock.recv(READ_SIZE)
@@ -96,18 +121,15 @@ class Subscriber:
             return
         except (OSError, RedisClientError):
             data = b""
-        with self.lock:
-            if not data:
-                told += self._lose_locked()
-                return
-            try:
-                self._parser.feed(data)
-                while (message := self._parser.next_reply()) is not INCOMPLETE:
-                    told += self._notifications(message)
-            except BaseException as error:  # not RESP, or interrupted: what was read is in doubt
-                told += self._lose_locked()
-                if not isinstance(error, ProtocolError):
-                    raise
+        if not data:
+            told += self._lose("the subscribed connection was lost")
+            return
+        try:
+            self._parser.feed(data)
+            while (message := self._parser.next_reply()) is not INCOMPLETE:
+                told += self._notifications(message)
+        except ProtocolError:  # not RESP: what was read is in doubt
+            told += self._lose("the subscribed connection sent what is not RESP")
 
     def _notifications(self, message: Any) -> list[Slot]:
         if not isinstance(message, list) or len(message) != 3:
@@ -116,28 +138,25 @@ class Subscriber:
         channel = name.decode(errors="replace") if isinstance(name, bytes) else str(name)
         if kind == b"subscribe":
             self._confirmed.add(channel)
-            tag = "subscribed"
+            tag = ("subscribed", self.endpoint)
         elif kind == b"message":
-            tag = "message"
+            tag = ("message", self.endpoint)
         else:
             return []
         return [Slot(listener, tag) for listener in self._listeners.get(channel, ())]
 
-    def _lose_locked(self) -> list[Slot]:
+    def _lose(self, reason: str) -> list[Slot]:
         listeners = {listener for group in self._listeners.values() for listener in group}
-        self._close_locked()
-        self.endpoint.mark_down(time.monotonic(), "the subscribed connection was lost")
-        return [Slot(listener, "lost") for listener in listeners]
-
-    def _close_locked(self) -> None:
-        if self.socket is not None:
-            with contextlib.suppress(OSError):
-                self.socket.close()
-        self.socket = None
-        self._confirmed.clear()
+        self.close()
+        self.endpoint.mark_down(time.monotonic(), reason)
+        return [Slot(listener, ("lost", self.endpoint)) for listener in listeners]
 
     def close(self) -> None:
-        """Close the connection (listeners are not told; they wait out their time)."""
-        with self.lock:
-            self._close_locked()
-            self._listeners.clear()
+        """Close the connection (the listeners stay: a new connection subscribes them again)."""
+        sock, self.socket = self.socket, None
+        self.connecting = 0
+        self._outbox.clear()
+        self._confirmed.clear()
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.close()
