@@ -310,8 +310,8 @@ def test_a_clean_up_owed_for_a_value_is_dropped_once_that_value_is_a_lock_taken(
         until = time.monotonic() + TTL
         for owed_value in (value, f"{'1' * 40}|another"):  # as earlier rounds owed them
             key = dlm.key_for("forgiven")
-            packed = pack_command("EVAL", RELEASE.source, 1, key, owed_value, 0)
-            endpoint.owe(owed_value.encode(), packed, until)
+            packed = pack_command("EVALSHA", RELEASE.sha, 1, key, owed_value, 0)
+            endpoint.owe(owed_value.encode(), packed, until, RELEASE.source)
         outcome = dlm.attempt("forgiven", TTL, "earlier-round", token=token)
         assert isinstance(outcome, Acquired)
         assert outcome.lock.value == value
@@ -431,7 +431,7 @@ def test_clean_ups_owed_from_many_threads_while_a_round_forgives_some(one_node):
             while not stop.is_set():
                 count += 1
                 owed = f"owed-{number}-{count % 50}"
-                endpoint.owe(owed.encode(), pack_command("ECHO", owed), until)
+                endpoint.owe(owed.encode(), pack_command("ECHO", owed), until, "return 1")
         except BaseException as error:
             errors.append(error)
             raise

@@ -44,6 +44,23 @@ def hung_after(node_timeout: float) -> float:
     return max(node_timeout, HUNG_AFTER)
 
 
+PATIENCE_PER_LATENESS = 3.0
+LONGEST_PATIENCE = 10.0
+"""A round waits for its members ``node_timeout``, or three times the lateness of the replies
+its quorum-th member sent of late, whichever is longer, but at most ten node timeouts. On a busy
+host replies are read late because the reading thread waits for a CPU: that is not a node
+failing, and a round deciding at quorum loses nothing by waiting longer while a majority
+answers; only a round without a majority waits the longer time."""
+
+
+def patience(node_timeout: float, lateness: list[float], quorum: int) -> float:
+    """Seconds a round waits for the members whose recent lateness is ``lateness``."""
+    if not 0 < quorum <= len(lateness):
+        return node_timeout
+    late = sorted(lateness)[quorum - 1] * PATIENCE_PER_LATENESS
+    return min(max(node_timeout, late), node_timeout * LONGEST_PATIENCE)
+
+
 class _NoReply:
     """Marks a slot (or a node in a round) that got no usable reply."""
 
@@ -125,6 +142,7 @@ class Channel:
         self._outbox: list[bytes] = []
         self._last_used = 0.0
         self._last_received = 0.0  # when bytes last arrived from the server
+        self._silence_reported: Slot | None = None  # the slot the server was backed off over
 
     def fileno(self) -> int:
         """The connection's descriptor, -1 while it is closed."""
@@ -258,6 +276,17 @@ class Channel:
         if self.socket is None or self.silence(now) <= timeout or readable_now(self.socket):
             return []  # readable: replies, which the next read takes
         return self.fail(f"no reply within {timeout}s")
+
+    def back_off_if_silent(self, now: float, waited: float) -> None:
+        """Back the server off (once per silence) if it has owed replies for ``waited``
+        seconds without sending anything: rounds stop sending to it, though each decided at
+        quorum without it, and it keeps its connection until it counts as hung."""
+        pending = self._pending
+        if not pending or pending[0] is self._silence_reported or self.socket is None:
+            return
+        if self.silence(now) > waited and not readable_now(self.socket):
+            self._silence_reported = pending[0]
+            self.endpoint.mark_down(now, f"no reply within {waited:.3g}s")
 
     def close_if_closed_by_server(self, now: float, idle_for: float) -> None:
         """Close an idle connection that the server has closed (restarted, or dropping idle

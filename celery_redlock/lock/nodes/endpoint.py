@@ -36,6 +36,7 @@ from redis.retry import Retry
 
 from ...errors import ConfigurationError
 from ...settings import has_credentials, redact_url
+from .resp import pack_command
 from .tls import TLSConnection, TLSContexts
 from .wakeups import Flag
 
@@ -58,8 +59,10 @@ MAX_OWED = 100_000
 locks it granted, owe it one, and each is dropped once what it removes has expired); past that
 the oldest (those whose keys expire soonest) are dropped."""
 
-Debt = tuple[float, bytes]
-"""A clean-up owed to a server: until when it is needed (monotonic), and the packed command."""
+Debt = tuple[float, bytes, str]
+"""A clean-up owed to a server: until when it is needed (monotonic), the packed command (an
+``EVALSHA``: a few hundred bytes, not the script's source), and the source of its script (one
+string shared by every debt), loaded before the debts are sent."""
 
 ACL_HINT = "apply the least-privilege ACL line of README's 'TLS, passwords, ACL users'"
 
@@ -109,18 +112,26 @@ class OwnPoolClient(redis.Redis):
         self.connection_pool.disconnect()
 
 
-def _close_unwound_sockets(trace: TracebackType | None) -> None:
-    """Close the sockets held by the frames an exception unwound (``trace``): nobody else can
-    reach them any more."""
-    while trace is not None:
-        for value in trace.tb_frame.f_locals.values():
-            if isinstance(value, socket.socket):
-                # Not value.close(): a socket whose constructor was interrupted lacks the
-                # attributes close() reads. detach() needs none of them.
-                descriptor = value.detach()
-                if descriptor != -1:
-                    os.close(descriptor)
-        trace = trace.tb_next
+def _close_unwound_sockets(error: BaseException) -> None:
+    """Close the sockets held by the frames ``error`` unwound, and those of the errors it was
+    raised from (redis-py raises its own from an `OSError`): nobody else can reach them any more.
+    One is the TLS socket ``ssl`` leaves open when the server resets the connection before the
+    handshake (its check for a connection that is not there yet raises past its clean-up)."""
+    seen: set[int] = set()
+    cause: BaseException | None = error
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        trace: TracebackType | None = cause.__traceback__
+        while trace is not None:
+            for value in trace.tb_frame.f_locals.values():
+                if isinstance(value, socket.socket):
+                    # Not value.close(): a socket whose constructor was interrupted lacks the
+                    # attributes close() reads. detach() needs none of them.
+                    descriptor = value.detach()
+                    if descriptor != -1:
+                        os.close(descriptor)
+            trace = trace.tb_next
+        cause = cause.__cause__ or cause.__context__
 
 
 class Endpoint:
@@ -232,7 +243,7 @@ class Endpoint:
             # handler raising: a soft time limit) is closed here, not left to the garbage
             # collector, whether the connection holds it or redis-py's connect still did.
             connection.disconnect()
-            _close_unwound_sockets(error.__traceback__)
+            _close_unwound_sockets(error)
             raise
         taken._sock = None
         return sock
@@ -304,6 +315,7 @@ class Endpoint:
             self._observe(time.monotonic() - sent)  # rounds wait as long as it takes now
             self._pay(connection)
         except Exception as error:  # whatever it is, the probe thread goes on (backed off)
+            _close_unwound_sockets(error)
             self.mark_down(time.monotonic(), error)
             return False
         finally:
@@ -312,16 +324,17 @@ class Endpoint:
         self._suspect = False
         return True
 
-    def owe(self, value: bytes, packed: bytes, until: float) -> None:
-        """Send ``packed`` (a clean-up of ``value``, harmless when run again) to the server once
-        it answers again, unless ``until`` (monotonic) has passed by then: for a clean-up it was
-        not sent, or did not answer, as it may still run what it was sent before. A later
-        clean-up of the same value replaces an earlier one. Costs the same however much is
-        owed: what expired is dropped as it goes."""
+    def owe(self, value: bytes, packed: bytes, until: float, source: str) -> None:
+        """Send ``packed`` (an ``EVALSHA`` of the script whose source is ``source``: a clean-up of
+        ``value``, harmless when run again) to the server once it answers again, unless
+        ``until`` (monotonic) has passed by then: for a clean-up it was not sent, or did not
+        answer, as it may still run what it was sent before. A later clean-up of the same value
+        replaces an earlier one. Costs the same however much is owed: what expired is dropped
+        as it goes."""
         with self._debts():  # `forgive` may be going through them in another thread
             owed = self._owed
             owed.pop(value, None)
-            owed[value] = (until, packed)
+            owed[value] = (until, packed, source)
             self._drop_expired(time.monotonic())
             if len(owed) > MAX_OWED:
                 del owed[next(iter(owed))]
@@ -398,9 +411,13 @@ class Endpoint:
             done = self._payment_done = Flag()
         unpaid: dict[bytes, Debt] = {}
         try:
-            connection.send_packed_command(
-                [b"".join(packed for _, packed in batch.values())], False
-            )
+            # The scripts first: a server that restarted has none in its cache.
+            sources = list(dict.fromkeys(source for _, _, source in batch.values()))
+            loads = [pack_command("SCRIPT", "LOAD", source) for source in sources]
+            payload = b"".join([*loads, *(packed for _, packed, _ in batch.values())])
+            connection.send_packed_command([payload], False)
+            for _ in loads:
+                connection.read_response()
             for value, debt in batch.items():
                 try:
                     connection.read_response()

@@ -15,12 +15,12 @@ import weakref
 from collections.abc import Sequence
 
 from ..scripts import Script
-from .channel import Slot
+from .channel import Slot, patience
 from .endpoint import Endpoint
 from .forks import ProcessLock
 from .members import LockNode
 from .reactor import Reactor, Waiting
-from .round import Judge, Members, Round, RoundResult, ScriptHeads, endpoint_of, patience
+from .round import Judge, Members, Round, RoundResult, ScriptHeads, endpoint_of
 
 
 class NodeGroup:

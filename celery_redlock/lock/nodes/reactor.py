@@ -20,9 +20,11 @@ The invariants of the nodes layer stand here:
   or changes its waiting's state under the same lock. The lock is never held during I/O, and
   what a waiter returns from `deliver` (a follow-up: a redirection, a script load) runs on the
   reactor thread once the lock is free, and only posts requests.
-- **Every wait has a deadline.** A server that owes replies and stays silent for
-  `hung_after` is failed by the reactor's own timer, and every slot on it is answered with
-  `NO_REPLY`; a caller never waits past its own deadline, whatever the reactor does.
+- **Every wait has a deadline.** A server that owes replies and stays silent for the node
+  timeout is backed off by the reactor's own timer (rounds that decide at quorum without it
+  would never notice), and once silent for `hung_after` its connection fails and every slot on
+  it is answered with `NO_REPLY`; a caller never waits past its own deadline, whatever the
+  reactor does.
 - **A forked child gets its own reactor** (`nodes.group`): the parent's sockets are closed in
   the child, and its thread does not exist there.
 """
@@ -43,7 +45,7 @@ from typing import Any
 from redis.exceptions import RedisError as RedisClientError
 
 from ..scripts import LOADED_ON_CONNECT
-from .channel import Channel, Slot, hung_after
+from .channel import Channel, Slot, hung_after, patience
 from .endpoint import Endpoint
 from .resp import pack_command
 from .subscriber import Subscriber
@@ -126,6 +128,7 @@ class Reactor:
 
     def __init__(self, node_timeout: float) -> None:
         self.pid = os.getpid()
+        self.node_timeout = node_timeout
         self.hung_after = hung_after(node_timeout)
         self.lock = threading.Lock()  # over the waiters' state (see the module docstring)
         self.channels: dict[Endpoint, Channel] = {}
@@ -135,6 +138,7 @@ class Reactor:
         )
         self._answered: list[Slot] = []  # slots to hand to their waiters this turn
         self._looks: list[Flag] = []  # set once this turn has read every socket (`look`)
+        self._next_check = 0.0  # when a silent server may next be due (`_check_silences`)
         self._writers: dict[Target, None] = {}  # targets with something to write this turn
         self._poller = _Poller()
         self._registered: dict[Target, int] = {}
@@ -270,7 +274,7 @@ class Reactor:
         next timer, or a request), read them."""
         self._take_requests()
         self._write_and_deliver()
-        timeout = 0.0 if self._inbox else self._next_timer(time.monotonic())
+        timeout = 0.0 if self._inbox else min(self._next_check - time.monotonic(), IDLE_SECONDS)
         ready = self._poller.ready(timeout)
         wake = self._wake_reader.fileno()
         answered = self._answered
@@ -283,10 +287,8 @@ class Reactor:
                 target.read(answered)
                 self._rewatch(target)
         now = time.monotonic()
-        for channel in list(self.channels.values()):
-            if channel.socket is not None and channel.owes:
-                answered += channel.fail_if_hung(now, self.hung_after)
-                self._rewatch(channel)
+        if now >= self._next_check:
+            self._check_silences(now)
         self._write_and_deliver()
         looks, self._looks = self._looks, []
         for looked in looks:
@@ -322,14 +324,27 @@ class Reactor:
         for then in afterwards:
             then()
 
-    def _next_timer(self, now: float) -> float:
-        """Seconds until the next silent server counts as hung (at most `IDLE_SECONDS`)."""
-        timeout = IDLE_SECONDS
-        for channel in self.channels.values():
+    def _patience(self, channel: Channel) -> float:
+        """Seconds ``channel``'s server may stay silent before it is backed off: the node
+        timeout, or longer while its replies have been late (a busy host, `patience`)."""
+        return patience(self.node_timeout, [channel.endpoint.lateness], 1)
+
+    def _check_silences(self, now: float) -> None:
+        """Back off the servers silent for their patience, fail the connections of those silent
+        for `hung_after`, and note when the next may be due."""
+        due = now + IDLE_SECONDS
+        for channel in list(self.channels.values()):
             silence = channel.silence(now) if channel.socket is not None else 0.0
-            if silence:
-                timeout = min(timeout, max(self.hung_after - silence, 0.0) + 0.001)
-        return timeout
+            if not silence:
+                continue
+            waited = self._patience(channel)
+            if silence > waited:
+                channel.back_off_if_silent(now, waited)
+            if silence > self.hung_after:
+                self._answered += channel.fail_if_hung(now, self.hung_after)
+                self._rewatch(channel)
+            due = min(due, now - silence + (waited if silence <= waited else self.hung_after))
+        self._next_check = due + 0.001
 
     def _rewatch(self, target: Target) -> None:
         """Poll ``target``'s current socket (none when it closed)."""
@@ -371,6 +386,8 @@ class Reactor:
                     slot.failure, slot.done = endpoint.last_error, True
                 self._answered += slots
                 return
+        if not channel.owes:  # its silence starts now: due at the node timeout at the earliest
+            self._next_check = min(self._next_check, now + self.node_timeout)
         if channel.queue(payload, slots, now):
             self._connect(channel)
         else:

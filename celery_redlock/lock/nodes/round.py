@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..scripts import Script
-from .channel import NO_REPLY, Slot
+from .channel import NO_REPLY, Slot, patience
 from .endpoint import Endpoint
 from .members import LockNode
 from .reactor import Reactor, Waiting
@@ -31,22 +31,6 @@ counts as no answer, like an error reply)."""
 # load) and wait for that reply instead.
 _FOLLOWED = ("MOVED", "ASK", "NOSCRIPT")
 FOLLOW_UPS_PER_MEMBER = 3
-
-PATIENCE_PER_LATENESS = 3.0
-LONGEST_PATIENCE = 10.0
-"""A round waits for its members ``node_timeout``, or three times the lateness of the replies
-its quorum-th member sent of late, whichever is longer, but at most ten node timeouts. On a busy
-host replies are read late because the reading thread waits for a CPU: that is not a node
-failing, and a round deciding at quorum loses nothing by waiting longer while a majority
-answers; only a round without a majority waits the longer time."""
-
-
-def patience(node_timeout: float, lateness: list[float], quorum: int) -> float:
-    """Seconds a round waits for the members whose recent lateness is ``lateness``."""
-    if not 0 < quorum <= len(lateness):
-        return node_timeout
-    late = sorted(lateness)[quorum - 1] * PATIENCE_PER_LATENESS
-    return min(max(node_timeout, late), node_timeout * LONGEST_PATIENCE)
 
 
 def endpoint_of(node: LockNode, key: str) -> Endpoint | None:
@@ -200,7 +184,8 @@ class Round(Waiting):
     def _owe(self, index: int, endpoint: Endpoint) -> None:
         if self.owed_until and index not in self.spared:
             value = str(self.call[1 + int(self.call[0])]).encode()
-            endpoint.owe(value, self._packed(by_source=True), self.owed_until)
+            packed = self._packed(by_source=False)
+            endpoint.owe(value, packed, self.owed_until, self.script.source)
 
     def _skip(self, skipped: list[tuple[int, LockNode, Endpoint | None]], packed: bytes) -> None:
         reactor = self.reactor
