@@ -279,12 +279,12 @@ def test_release_reaches_a_node_whose_set_landed_late(three_nodes):
     )
 
 
-def test_a_release_queued_behind_a_late_set_removes_it(three_nodes):
-    # A node slower than node_timeout (but not yet hung) keeps its connection: the release goes
-    # out behind the SET, and the node runs both, in order, once it runs again.
+def test_a_release_of_a_set_a_stalled_node_still_holds_removes_it(three_nodes):
+    # A node stalled past node_timeout is backed off (though every round decided at quorum
+    # without it); the release owes it the clean-up, and once it runs again — the late SET first,
+    # on the connection it came on — the clean-up follows and removes it within a second.
     dlm = Redlock(three_nodes.urls, node_timeout=0.05)
     dlm.release(dlm.acquire("warm-up", ttl=1.0))  # open connections: the SET gets sent
-    connections_before = connections_received(three_nodes[0])
     three_nodes[0].pause()
     try:
         lock = dlm.acquire("queued", ttl=10.0)
@@ -293,8 +293,7 @@ def test_a_release_queued_behind_a_late_set_removes_it(three_nodes):
         assert dlm.release(lock) is True
     finally:
         three_nodes[0].resume()
-    assert connections_received(three_nodes[0]) == connections_before + 1  # ours: no new one
-    assert values_on(three_nodes, lock.key) == [None] * 3
+    assert wait_until(lambda: values_on(three_nodes, lock.key) == [None] * 3, timeout=1.0)
 
     # Back in the rounds (by a late reply or by the probe): a lock is on every node again.
     def on_every_node() -> bool:

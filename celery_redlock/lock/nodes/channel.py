@@ -93,8 +93,9 @@ class Waiter(Protocol):
 
 class Slot:
     """Where the reply to one queued command goes. ``tag`` is the waiter's own mark (which node,
-    which command); ``failure`` says why the reply is `NO_REPLY`. ``channel`` and ``sent_at``
-    are set when the reactor queues the command."""
+    which command); ``failure`` says why the reply is `NO_REPLY`. ``sent_at`` is when the
+    command was sent (by its caller, or else when the reactor queued it), ``channel`` set when the
+    reactor queues it."""
 
     __slots__ = ("channel", "done", "failure", "reply", "sent_at", "tag", "waiter")
 
@@ -158,7 +159,7 @@ class Channel:
         """Queue ``payload``, whose replies go to ``slots`` in order, to be written by `write`.
         Returns True if a connection must be made first (`start_connecting`)."""
         for slot in slots:
-            slot.sent_at = now
+            slot.sent_at = slot.sent_at or now  # when its caller sent it, if it said
             slot.channel = self
         self._pending.extend(slots)
         self._outbox.append(payload)

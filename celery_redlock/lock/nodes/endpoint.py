@@ -271,6 +271,8 @@ class Endpoint:
             return  # a probe is already on its way in this process
         self._probing_pid = pid
         self._probe_finished = Flag()
+        # Not due yet: the probe sleeps first (so `probing` is False until then, from now on).
+        self._probe_sleeping = self._down_until > time.monotonic()
         threading.Thread(
             target=self._probe,
             args=(self._probe_finished,),

@@ -186,7 +186,7 @@ class Reactor:
         """Wait up to ``timeout`` seconds until the reactor thread has read every readable
         socket once more, and handed what it read to its waiters."""
         looked = Flag()
-        self._post(self._looks.append, (looked,))
+        self._post(self._look, (looked,))
         looked.wait(timeout)
 
     def close(self) -> None:
@@ -274,7 +274,10 @@ class Reactor:
         next timer, or a request), read them."""
         self._take_requests()
         self._write_and_deliver()
-        timeout = 0.0 if self._inbox else min(self._next_check - time.monotonic(), IDLE_SECONDS)
+        if self._inbox or self._looks:  # a look reads what is there now, without waiting
+            timeout = 0.0
+        else:
+            timeout = min(self._next_check - time.monotonic(), IDLE_SECONDS)
         ready = self._poller.ready(timeout)
         wake = self._wake_reader.fileno()
         answered = self._answered
@@ -441,6 +444,9 @@ class Reactor:
 
     def _connection_failed(self, target: Target, attempt: int, error: object) -> None:
         self._answered += target.connect_failed(attempt, error)
+
+    def _look(self, looked: Flag) -> None:
+        self._looks.append(looked)
 
     def _close_all(self, done: Flag | None) -> None:
         for channel in self.channels.values():

@@ -233,7 +233,10 @@ class Round(Waiting):
             # connection while it waits, and its own reply must arrive within the round.
             timeout_ms = max(1, int(self.node_timeout * 500))
             commands.append(pack_command("WAIT", node.wait_replicas, timeout_ms))
-        call.slots = [Slot(self, call) for _ in commands]
+        call.slots = slots = [Slot(self, call) for _ in commands]
+        now = time.monotonic()  # the round's deadline counts from here: so does the silence
+        for slot in slots:
+            slot.sent_at = now
         call.main = call.slots[1 if asking else 0]
         call.replicas = call.slots[-1] if waits else None
         packed = b"".join(commands)  # the command itself when alone
