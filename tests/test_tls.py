@@ -437,7 +437,9 @@ def test_a_forked_childs_16_first_calls_dispose_of_the_parents_connections_once(
             first_calls(redlocks[0], 16, "tls:child-again")
             redlocks.clear()
             gc.collect()
-            # The parent's reactor and the child's, each once (and those of other dropped groups).
+            # The parent's reactor and the child's (its thread closes its sockets on its way out),
+            # each once (and those of other dropped groups).
+            wait_until(lambda: len(closes) >= 2, timeout=2.0)
             return len(closes) == len(set(closes)) >= 2
 
         assert exit_code_of_forked_child(child) == 0
