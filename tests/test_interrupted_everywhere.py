@@ -29,7 +29,6 @@ needs the exception table of CPython 3.11 and later (`escapes_a_block`).
 from __future__ import annotations
 
 import contextlib
-import dis
 import gc
 import itertools
 import logging
@@ -45,13 +44,13 @@ import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from functools import cache
 from pathlib import Path
 from types import CodeType, FrameType
 from typing import Any
 
 import pytest
 import redis
+from robustness.interruptions import escapes_a_block
 
 import celery_redlock.lock.nodes
 from celery_redlock import Lock, QuorumUnavailable, Redlock
@@ -111,47 +110,6 @@ class Hung(BaseException):
 
 
 # -- the trace function ----------------------------------------------------------------------------
-
-
-@cache
-def handlers(code: CodeType) -> dict[int, int]:
-    """For each instruction of ``code`` that an exception handler covers (by offset), the
-    handler's own offset (CPython 3.11 and later: one entry of the exception table covers it)."""
-    covering: dict[int, int] = {}
-    entries = dis.Bytecode(code).exception_entries  # type: ignore[attr-defined]  # not in typeshed
-    for entry in entries:
-        for offset in range(entry.start, entry.end, 2):
-            covering[offset] = entry.target
-    return covering
-
-
-def handling(code: CodeType, offset: int) -> list[int]:
-    """The handlers an exception raised at ``offset`` passes through in ``code``, innermost
-    first: the one covering it, then the one covering that one's code, and so on."""
-    chain: list[int] = []
-    covering = handlers(code)
-    target = covering.get(offset)
-    while target is not None and target not in chain:
-        chain.append(target)
-        target = covering.get(target)
-    return chain
-
-
-def escapes_a_block(code: CodeType, previous: int | None, offset: int) -> bool:
-    """True when an exception raised at instruction ``offset`` would skip a handler (of a ``try``,
-    or the ``__exit__`` of a ``with``) that covered ``previous``, the instruction run just before.
-
-    CPython leaves a few instructions at the edges of a block uncovered, or covered only by an
-    outer block: the call of a ``with``'s ``__exit__`` (a new line event at the ``with``
-    statement's line), the NOP of a ``try:``, a ``break``, the end of a ``for`` loop, a
-    ``finally`` body run without an exception. An exception raised there skips the block's
-    clean-up (a lock stays held for ever), which no signal handler can do: CPython runs handlers
-    only on a function's entry, at a loop's back edge and right after a call returns, all of them
-    inside the block. The trace function does not raise there."""
-    if previous is None:
-        return False
-    before = handling(code, previous)
-    return bool(before) and before[0] not in handling(code, offset)
 
 
 class FrameTracer:

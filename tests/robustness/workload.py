@@ -34,6 +34,7 @@ from celery_redlock.lock.outcomes import Acquired, Covered, Held, Unavailable
 from celery_redlock.lock.redlock import from_settings
 
 from .history import HistoryFile, Record, token_hash
+from .interruptions import escapes_a_block
 
 PACKAGE_DIRECTORY = str(Path(celery_redlock.__file__).parent)
 FRESH_LINE_CHANCE = 0.05
@@ -120,20 +121,42 @@ class Faults:
             return None
         if self.function and code.co_name != self.function:
             return None
-        return self._line
+        if isinstance(frame.f_trace, LineFaults):
+            return frame.f_trace  # a generator resumed
+        frame.f_trace_opcodes = True  # a line event must know the instruction run before it
+        return LineFaults(self)
 
-    def _line(self, frame: FrameType, event: str, argument: Any) -> Any:
-        if event != "line" or not self.armed:
-            return self._line
-        # Every line gets its turn soon (rarely run ones too: a reconnect's), then faults come
-        # at random lines; in one function, each line in turn.
+    def at_line(self, frame: FrameType, previous: int | None) -> None:
+        """Raise here, at a line event, if it is this line's turn (every line gets its turn
+        soon, rarely run ones too: a reconnect's; then faults come at random lines; in one
+        function, each line in turn), unless the exception would skip the clean-up of a block
+        as no signal handler's can (`escapes_a_block`)."""
+        if not self.armed or escapes_a_block(frame.f_code, previous, frame.f_lasti):
+            return
         location = (frame.f_code, frame.f_lineno)
         chance = 1.0 if self.function else FRESH_LINE_CHANCE
         fresh = location not in self.faulted and self.rng.random() < chance
         if fresh or self.rng.random() * self.every < 1:
             self.faulted.add(location)
             raise InjectedFault(f"line {frame.f_code.co_name}:{frame.f_lineno}")
-        return self._line
+
+
+class LineFaults:
+    """The local trace function of one frame in the fault scope: it follows the frame's
+    instructions, so that a line event knows the one run before it."""
+
+    __slots__ = ("faults", "previous")
+
+    def __init__(self, faults: Faults) -> None:
+        self.faults = faults
+        self.previous: int | None = None
+
+    def __call__(self, frame: FrameType, event: str, argument: Any) -> LineFaults:
+        if event == "line":
+            self.faults.at_line(frame, self.previous)
+        if event in ("opcode", "line"):
+            self.previous = frame.f_lasti
+        return self
 
 
 class Client:

@@ -1,0 +1,50 @@
+"""Where an exception raised in a thread can land the way a signal handler's can (the exception
+nemesis's trace faults, and tests/test_interrupted_everywhere.py): never where it would skip the
+clean-up of a ``try`` or ``with`` block, which no signal handler can do."""
+
+from __future__ import annotations
+
+import dis
+from functools import cache
+from types import CodeType
+
+
+@cache
+def handlers(code: CodeType) -> dict[int, int]:
+    """For each instruction of ``code`` that an exception handler covers (by offset), the
+    handler's own offset (CPython 3.11 and later: one entry of the exception table covers it)."""
+    covering: dict[int, int] = {}
+    entries = dis.Bytecode(code).exception_entries  # type: ignore[attr-defined]  # not in typeshed
+    for entry in entries:
+        for offset in range(entry.start, entry.end, 2):
+            covering[offset] = entry.target
+    return covering
+
+
+def handling(code: CodeType, offset: int) -> list[int]:
+    """The handlers an exception raised at ``offset`` passes through in ``code``, innermost
+    first: the one covering it, then the one covering that one's code, and so on."""
+    chain: list[int] = []
+    covering = handlers(code)
+    target = covering.get(offset)
+    while target is not None and target not in chain:
+        chain.append(target)
+        target = covering.get(target)
+    return chain
+
+
+def escapes_a_block(code: CodeType, previous: int | None, offset: int) -> bool:
+    """True when an exception raised at instruction ``offset`` would skip a handler (of a ``try``,
+    or the ``__exit__`` of a ``with``) that covered ``previous``, the instruction run just before.
+
+    CPython leaves a few instructions at the edges of a block uncovered, or covered only by an
+    outer block: the call of a ``with``'s ``__exit__`` (a new line event at the ``with``
+    statement's line), the NOP of a ``try:``, a ``break``, the end of a ``for`` loop, a
+    ``finally`` body run without an exception. An exception raised there skips the block's
+    clean-up (a lock stays held for ever), which no signal handler can do: CPython runs handlers
+    only on a function's entry, at a loop's back edge and right after a call returns, all of them
+    inside the block. The trace function does not raise there."""
+    if previous is None:
+        return False
+    before = handling(code, previous)
+    return bool(before) and before[0] not in handling(code, offset)
