@@ -121,7 +121,8 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
         default="signal,trace",
         help="exception nemesis: how faults are raised in the clients' main thread: 'signal' "
         "(a handler raising at random moments, as a soft time limit), 'trace' (at library "
-        "lines, each line soon), or both",
+        "lines, each line soon, wherever a signal handler's exception can land), or both (half "
+        "the client processes each)",
     )
     parser.add_argument(
         "--fault-scope",

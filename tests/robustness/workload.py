@@ -81,8 +81,12 @@ class Faults:
     """The exception nemesis of this process: armed only while the main thread is inside a
     library call, so that the workload's own bookkeeping is never interrupted."""
 
-    def __init__(self, config: Config, rng: random.Random) -> None:
-        self.kinds = config.interrupt
+    def __init__(self, config: Config, rng: random.Random, index: int) -> None:
+        # Both kinds asked for: half the processes each. In one thread, a signal handler would
+        # run inside the trace function too, and raise at any line event, even where no real
+        # program's handler can (past a block's clean-up).
+        kinds = config.interrupt
+        self.kinds = [kinds[index % len(kinds)]] if len(kinds) > 1 else kinds
         path, _, self.function = config.fault_scope.partition(":")
         self.scope = os.path.join(PACKAGE_DIRECTORY, path)
         self.every = config.interrupt_every
@@ -366,7 +370,7 @@ def main(config_path: str, index: int) -> None:
     )
     stores = Stores(config)
     rng = random.Random(config.seed * 1000 + index)
-    faults = Faults(config, rng) if config.interrupt else None
+    faults = Faults(config, rng, index) if config.interrupt else None
     clients = [
         Client(config, redlock, stores, f"p{index}:t{number}", None, rng.randrange(2**32))
         for number in range(1, config.threads)
