@@ -48,3 +48,25 @@ def escapes_a_block(code: CodeType, previous: int | None, offset: int) -> bool:
         return False
     before = handling(code, previous)
     return bool(before) and before[0] not in handling(code, offset)
+
+
+# The instructions after which CPython 3.11 runs pending signal handlers: a function's entry
+# (RESUME, where ``previous`` is None), a loop's back edge, and the return of a call.
+CHECKS_FOR_SIGNALS = frozenset({"RESUME", "JUMP_BACKWARD", "CALL", "CALL_FUNCTION_EX"})
+
+
+@cache
+def opnames(code: CodeType) -> dict[int, str]:
+    """Each instruction of ``code`` by offset: its operation's name."""
+    return {instruction.offset: instruction.opname for instruction in dis.get_instructions(code)}
+
+
+def signal_can_land(code: CodeType, previous: int | None, offset: int) -> bool:
+    """True where a signal handler's exception could be raised: right after ``previous`` ran (an
+    instruction after which CPython runs handlers), at ``offset`` (the next one), without
+    skipping a block's clean-up (`escapes_a_block`). A trace function raising at a line event
+    elsewhere (after a ``NOP`` that leaves a ``for`` loop, right before a ``with``'s
+    ``__exit__`` call) does what no signal handler can."""
+    if previous is not None and opnames(code).get(previous) not in CHECKS_FOR_SIGNALS:
+        return False
+    return not escapes_a_block(code, previous, offset)

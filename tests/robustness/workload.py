@@ -34,7 +34,7 @@ from celery_redlock.lock.outcomes import Acquired, Covered, Held, Unavailable
 from celery_redlock.lock.redlock import from_settings
 
 from .history import HistoryFile, Record, token_hash
-from .interruptions import escapes_a_block
+from .interruptions import signal_can_land
 
 PACKAGE_DIRECTORY = str(Path(celery_redlock.__file__).parent)
 FRESH_LINE_CHANCE = 0.05
@@ -134,8 +134,8 @@ class Faults:
         """Raise here, at a line event, if it is this line's turn (every line gets its turn
         soon, rarely run ones too: a reconnect's; then faults come at random lines; in one
         function, each line in turn), unless the exception would skip the clean-up of a block
-        as no signal handler's can (`escapes_a_block`)."""
-        if not self.armed or escapes_a_block(frame.f_code, previous, frame.f_lasti):
+        as no signal handler's can (`signal_can_land`)."""
+        if not self.armed or not signal_can_land(frame.f_code, previous, frame.f_lasti):
             return
         location = (frame.f_code, frame.f_lineno)
         chance = 1.0 if self.function else FRESH_LINE_CHANCE
@@ -147,7 +147,7 @@ class Faults:
 
 class LineFaults:
     """The local trace function of one frame in the fault scope: it follows the frame's
-    instructions, so that a line event knows the one run before it."""
+    instructions, so that it knows the one run before the next one."""
 
     __slots__ = ("faults", "previous")
 
@@ -156,9 +156,11 @@ class LineFaults:
         self.previous: int | None = None
 
     def __call__(self, frame: FrameType, event: str, argument: Any) -> LineFaults:
-        if event == "line":
-            self.faults.at_line(frame, self.previous)
+        # Every instruction is a place where a signal handler may run (`signal_can_land` says
+        # which are): checked at its line event and at its opcode event, both before it runs.
         if event in ("opcode", "line"):
+            self.faults.at_line(frame, self.previous)
+        if event == "opcode":
             self.previous = frame.f_lasti
         return self
 
