@@ -50,7 +50,7 @@ from typing import Any
 
 import pytest
 import redis
-from robustness.interruptions import signal_can_land
+from robustness.interruptions import InstructionTracer, signal_can_land
 
 import celery_redlock.lock.nodes
 from celery_redlock import Lock, QuorumUnavailable, Redlock
@@ -114,26 +114,6 @@ class Hung(BaseException):
 # -- the trace function ----------------------------------------------------------------------------
 
 
-class FrameTracer:
-    """The local trace function of one frame of the node layer: it follows the frame's
-    instructions (opcode events) so that it knows the instruction run before the next one."""
-
-    __slots__ = ("interrupter", "previous")
-
-    def __init__(self, interrupter: LineInterrupter) -> None:
-        self.interrupter = interrupter
-        self.previous: int | None = None
-
-    def __call__(self, frame: FrameType, event: str, argument: Any) -> FrameTracer:
-        # Every instruction is a place where a signal handler may run (`signal_can_land` says
-        # which are): checked at its line event and at its opcode event, both before it runs.
-        if event in ("opcode", "line"):
-            self.interrupter.at_line(frame, self.previous)
-        if event == "opcode":
-            self.previous = frame.f_lasti
-        return self
-
-
 class LineInterrupter:
     """A trace function (`sys.settrace`) for the thread that installs it: while `armed`, it raises
     `Injected` at the first line event of a node layer file whose line it never raised at, unless
@@ -159,10 +139,10 @@ class LineInterrupter:
     def _on_call(self, frame: FrameType, event: str, argument: Any) -> Any:
         if not self._file_of(frame.f_code):
             return None
-        if isinstance(frame.f_trace, FrameTracer):
+        if isinstance(frame.f_trace, InstructionTracer):
             return frame.f_trace  # a generator resumed: the instruction before is its yield
         frame.f_trace_opcodes = True
-        return FrameTracer(self)
+        return InstructionTracer(self.at_line)
 
     def _file_of(self, code: CodeType) -> str:
         """The node layer file ``code`` is from, "" when it is from none."""

@@ -5,8 +5,10 @@ clean-up of a ``try`` or ``with`` block, which no signal handler can do."""
 from __future__ import annotations
 
 import dis
+from collections.abc import Callable
 from functools import cache
-from types import CodeType
+from types import CodeType, FrameType
+from typing import Any
 
 
 @cache
@@ -70,3 +72,23 @@ def signal_can_land(code: CodeType, previous: int | None, offset: int) -> bool:
     if previous is not None and opnames(code).get(previous) not in CHECKS_FOR_SIGNALS:
         return False
     return not escapes_a_block(code, previous, offset)
+
+
+class InstructionTracer:
+    """The local trace function of one frame: it follows the frame's instructions (opcode
+    events) and calls ``at(frame, previous)`` before each one runs (at its line event and at its
+    opcode event), ``previous`` the offset of the instruction run before it (None at the
+    frame's first)."""
+
+    __slots__ = ("at", "previous")
+
+    def __init__(self, at: Callable[[FrameType, int | None], None]) -> None:
+        self.at = at
+        self.previous: int | None = None
+
+    def __call__(self, frame: FrameType, event: str, argument: Any) -> InstructionTracer:
+        if event in ("opcode", "line"):
+            self.at(frame, self.previous)
+        if event == "opcode":
+            self.previous = frame.f_lasti
+        return self

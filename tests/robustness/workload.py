@@ -34,7 +34,7 @@ from celery_redlock.lock.outcomes import Acquired, Covered, Held, Unavailable
 from celery_redlock.lock.redlock import from_settings
 
 from .history import HistoryFile, Record, token_hash
-from .interruptions import signal_can_land
+from .interruptions import InstructionTracer, signal_can_land
 
 PACKAGE_DIRECTORY = str(Path(celery_redlock.__file__).parent)
 FRESH_LINE_CHANCE = 0.05
@@ -125,10 +125,10 @@ class Faults:
             return None
         if self.function and code.co_name != self.function:
             return None
-        if isinstance(frame.f_trace, LineFaults):
+        if isinstance(frame.f_trace, InstructionTracer):
             return frame.f_trace  # a generator resumed
-        frame.f_trace_opcodes = True  # a line event must know the instruction run before it
-        return LineFaults(self)
+        frame.f_trace_opcodes = True  # faults may land before any instruction, not only a line
+        return InstructionTracer(self.at_line)
 
     def at_line(self, frame: FrameType, previous: int | None) -> None:
         """Raise here, at a line event, if it is this line's turn (every line gets its turn
@@ -143,26 +143,6 @@ class Faults:
         if fresh or self.rng.random() * self.every < 1:
             self.faulted.add(location)
             raise InjectedFault(f"line {frame.f_code.co_name}:{frame.f_lineno}")
-
-
-class LineFaults:
-    """The local trace function of one frame in the fault scope: it follows the frame's
-    instructions, so that it knows the one run before the next one."""
-
-    __slots__ = ("faults", "previous")
-
-    def __init__(self, faults: Faults) -> None:
-        self.faults = faults
-        self.previous: int | None = None
-
-    def __call__(self, frame: FrameType, event: str, argument: Any) -> LineFaults:
-        # Every instruction is a place where a signal handler may run (`signal_can_land` says
-        # which are): checked at its line event and at its opcode event, both before it runs.
-        if event in ("opcode", "line"):
-            self.faults.at_line(frame, self.previous)
-        if event == "opcode":
-            self.previous = frame.f_lasti
-        return self
 
 
 class Client:
