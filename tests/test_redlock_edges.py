@@ -343,3 +343,23 @@ def test_a_forked_childs_16_first_calls_dispose_of_the_parents_connections_once(
         first_calls(redlocks[0], 1, "fork:parent-again")
     finally:
         redlocks[0].close()
+
+
+def test_a_probe_start_cut_short_by_an_exception_is_made_again(
+    one_node: RedisNodes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A caller that claims a server's probe and is interrupted before the probe's thread starts
+    (a soft time limit raising there) does not leave the server backed off for good: past
+    PROBE_START_SECONDS, the next caller starts the probe, and the server answers again."""
+    endpoint = Endpoint.from_url(one_node.urls[0], node_timeout=0.05)
+    endpoint.mark_down(time.monotonic() - 1.0, "backed off for the test")  # its probe is due
+    start = threading.Thread.start
+
+    def interrupted_start(self: threading.Thread) -> None:
+        monkeypatch.setattr(threading.Thread, "start", start)  # once
+        raise KeyboardInterrupt("as a signal handler raises")
+
+    monkeypatch.setattr(threading.Thread, "start", interrupted_start)
+    with pytest.raises(KeyboardInterrupt):
+        endpoint.is_backed_off(time.monotonic())
+    assert wait_until(lambda: not endpoint.is_backed_off(time.monotonic()), timeout=3.0)

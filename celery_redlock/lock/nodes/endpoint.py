@@ -44,6 +44,8 @@ logger = logging.getLogger(__name__)
 
 FIRST_BACKOFF_SECONDS = 0.25
 MAX_BACKOFF_SECONDS = 0.5  # a server that comes back is in use again within about a second
+PROBE_START_SECONDS = 1.0
+"""How long a claimed probe may take to start before another caller starts one."""
 PROBE_TIMEOUT_SECONDS = 1.0
 """How long a probe waits for the server (when the node timeout is shorter): a probe runs in a
 thread of its own, so a server that answers late (a busy host) still counts as answering."""
@@ -153,7 +155,9 @@ class Endpoint:
         self._backoff = 0.0
         # No lock guards the probe: a lock held by another thread at a fork would stay held in
         # the child for ever. Two threads starting a probe at once merely probe twice.
-        self._probing_pid = 0
+        self._probing_pid = 0  # the process that claimed the probe
+        self._probe_claimed_at = 0.0
+        self._probe_running_pid = 0  # the process whose probe thread runs
         self._probe_sleeping = False
         self._probe_finished = Flag()
         # Clean-ups owed to the server, by the value each removes: (monotonic time it is useless
@@ -267,8 +271,14 @@ class Endpoint:
 
     def _start_probe(self) -> None:
         pid = os.getpid()
-        if self._probing_pid == pid:
-            return  # a probe is already on its way in this process
+        if self._probing_pid == pid and (
+            self._probe_running_pid == pid
+            or time.monotonic() - self._probe_claimed_at < PROBE_START_SECONDS
+        ):
+            return  # a probe is on its way in this process
+        # A caller interrupted between here and the thread's start (a soft time limit) leaves a
+        # claim no thread runs: past PROBE_START_SECONDS the next caller starts one after all.
+        self._probe_claimed_at = time.monotonic()
         self._probing_pid = pid
         self._probe_finished = Flag()
         # Not due yet: the probe sleeps first (so `probing` is False until then, from now on).
@@ -283,6 +293,7 @@ class Endpoint:
     def _probe(self, finished: Flag) -> None:
         """Probe the server once it is due; while clean-ups are owed to it, again after each
         back-off until it answers (and is sent them) or they are no longer needed."""
+        self._probe_running_pid = os.getpid()
         try:
             while True:
                 wait = self._down_until - time.monotonic()
@@ -293,6 +304,7 @@ class Endpoint:
                 if self._probe_once() or not self._still_owed(time.monotonic()):
                     return
         finally:
+            self._probe_running_pid = 0
             self._probing_pid = 0
             finished.set()
             if self._still_owed(time.monotonic()):
