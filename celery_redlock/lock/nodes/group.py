@@ -89,8 +89,8 @@ class NodeGroup:
 
         ``judge`` says what each reply means. The outcome is known when a quorum succeeded, when
         one no longer can, or when ``node_timeout`` has passed; with ``every=True`` only when
-        every member answered or timed out. With ``wait=False`` the commands are only sent: a
-        later round's reader reads their replies and checks them then. ``grants``: the script
+        every member answered or timed out. With ``wait=False`` the commands are only sent: the
+        reactor thread reads their replies and checks them then. ``grants``: the script
         grants a lock, which members with ``wait_replicas`` confirm only once replicas
         acknowledged it. ``owed_for``: the script is a clean-up of keys that may live this many
         seconds, whose first argument is the value it removes; a member that is backed off or

@@ -265,7 +265,7 @@ class Round(Waiting):
             and self.follow_ups_left[call.index] > 0
         ):
             self.follow_ups_left[call.index] -= 1
-            if not self.attended:  # followed by the reader, once the reactor's lock is free
+            if not self.attended:  # followed by the reactor thread, once its lock is free
                 return lambda: self._follow(call, reply)
             self.follow_ups.append((call, call.main))
             self.call_attention()
