@@ -451,3 +451,31 @@ def test_clean_ups_owed_from_many_threads_while_a_round_forgives_some(one_node):
             thread.join(timeout=10)
     assert errors == []
     assert forgiven > 0
+
+
+def test_a_lock_an_extension_set_again_on_a_node_is_owed_its_release_there(three_nodes):
+    """A lock taken while node 2 was backed off never reached it; an extension once node 2
+    answers again sets it there too (healing), so a release node 2 misses owes it the clean-up."""
+    caller = Redlock(three_nodes.urls, retry_count=1, node_timeout=NODE_TIMEOUT)
+    caller.release(caller.acquire("warm-up", ttl=1.0))
+    three_nodes[2].pause()
+    try:
+        endpoint = caller.nodes[2].endpoint_for(caller.key_for("healed"))
+        assert endpoint is not None
+        caller.release(caller.acquire("warm-up-2", ttl=1.0))
+        assert wait_until(lambda: endpoint.is_backed_off(time.monotonic()))
+        lock = caller.acquire("healed", ttl=TTL)
+        assert lock is not None and lock.unreached == frozenset({2})
+    finally:
+        three_nodes[2].resume()
+    assert wait_until(lambda: not endpoint.is_backed_off(time.monotonic()), timeout=3.0)
+    assert caller.extend(lock)
+    assert value_on(three_nodes[2], lock.key) == lock.value  # healed onto node 2
+    assert lock.unreached == frozenset()
+    three_nodes[2].pause()
+    try:
+        assert wait_until(lambda: caller.extend(lock) and endpoint.is_backed_off(time.monotonic()))
+        assert caller.release(lock)
+    finally:
+        three_nodes[2].resume()
+    assert wait_until(lambda: value_on(three_nodes[2], lock.key) is None, timeout=2.0)

@@ -380,9 +380,13 @@ class Redlock:
         args = (value, max(1, int(ttl * 1000)), lock.fencing_token, until)
         # Every node's reply is awaited (up to node_timeout): an extension still on its way to
         # a node when the holder releases there could set the key again after the release.
+        # An extension sets the lock again where it is missing: a member it reaches may hold it
+        # from now on, and the release owes it a clean-up (all of them, if this is cut short).
+        unreached, lock.unreached = lock.unreached, frozenset()
         result = self._group.run(
             scripts.EXTEND, keys, args, judge_zero_or_one, every=True, grants=True
         )
+        lock.unreached = unreached & result.unsent
         if result.answered - result.successes >= len(self._group.nodes) - self.quorum + 1:
             lock.valid_until = 0.0  # a majority says another owner holds it: nothing to rely on
             return False
