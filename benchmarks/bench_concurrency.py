@@ -83,6 +83,7 @@ from benchmark_support import (
     PRODUCTION_SERVER,
     cpu_model,
     interrupt_on_sigterm,
+    quiet_logging,
     server_version,
     variant_argument,
 )
@@ -1149,17 +1150,6 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     if not arguments.child and (arguments.rounds < 1 or arguments.seconds <= 0):
         parser.error("--rounds must be at least 1 and --seconds positive")
     return arguments
-
-
-def quiet_logging(verbose: bool) -> None:
-    """Failed nodes are counted in the table; their log lines would only drown it."""
-    import logging
-
-    if verbose:
-        logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
-        return
-    logging.getLogger().addHandler(logging.NullHandler())
-    logging.getLogger().setLevel(logging.CRITICAL)
 
 
 def run(arguments: argparse.Namespace) -> Results:

@@ -69,7 +69,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmark_support import PRODUCTION_SERVER, cpu_model, interrupt_on_sigterm, server_version
+from benchmark_support import (
+    PRODUCTION_SERVER,
+    cpu_model,
+    interrupt_on_sigterm,
+    quiet_logging,
+    server_version,
+)
 
 FAULTS = ("stop", "hang")
 CONTROL = "none"  # no fault: the same phases with every node up, to judge the others by
@@ -636,17 +642,6 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     if arguments.warmup < 0 or arguments.after < CLEANUP_SECONDS:
         parser.error(f"--warmup must be >= 0 and --after >= {CLEANUP_SECONDS:g}")
     return arguments
-
-
-def quiet_logging(verbose: bool) -> None:
-    """Failed nodes are counted in the tables; the library's log lines would only drown them."""
-    import logging
-
-    if verbose:
-        logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
-        return
-    logging.getLogger().addHandler(logging.NullHandler())
-    logging.getLogger().setLevel(logging.CRITICAL)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -48,7 +48,6 @@ import contextlib
 import gc
 import importlib.metadata
 import json
-import logging
 import os
 import platform
 import selectors
@@ -64,7 +63,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmark_support import cpu_model, interrupt_on_sigterm, percentile, server_version
+from benchmark_support import (
+    cpu_model,
+    interrupt_on_sigterm,
+    percentile,
+    quiet_logging,
+    server_version,
+)
 
 # Redis Cluster, Sentinel, TLS and Valkey set-ups are the tests' helpers (tests/topologies/), not
 # shipped.
@@ -758,15 +763,6 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     ):
         parser.error("counts, seconds and the node timeout must be positive")
     return arguments
-
-
-def quiet_logging(verbose: bool) -> None:
-    """Failures are counted in the tables; log lines would only drown them."""
-    if verbose:
-        logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
-        return
-    logging.getLogger().addHandler(logging.NullHandler())
-    logging.getLogger().setLevel(logging.CRITICAL)
 
 
 def run(options: argparse.Namespace) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import math
 import os
 import platform
@@ -72,3 +73,13 @@ def server_version(executable: str) -> str:
     except (OSError, subprocess.SubprocessError):
         output = ""
     return output.split(" sha=")[0] or f"{Path(executable).name} ?"
+
+
+def quiet_logging(verbose: bool) -> None:
+    """Failures are counted in a benchmark's tables; the library's log lines would only drown
+    them (``verbose``: show them)."""
+    if verbose:
+        logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+        return
+    logging.getLogger().addHandler(logging.NullHandler())
+    logging.getLogger().setLevel(logging.CRITICAL)
