@@ -32,6 +32,7 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from datetime import datetime, timedelta
 from pathlib import Path
+from types import CodeType, FrameType
 from typing import Any
 
 import django
@@ -50,6 +51,7 @@ from django.db import connections
 from django_project import PID_HEADER, SENT_AT_HEADER
 from django_project import settings as project_settings
 from redlock_support import wait_until
+from robustness.interruptions import InstructionTracer, signal_can_land
 
 from celery_redlock.testing import RedisNodes, RedisServer
 
@@ -417,6 +419,103 @@ def test_a_row_write_that_failed_sends_no_tick_twice_when_the_rows_are_read_agai
         blocker.close()
         scheduler.close()
         connections["default"].close()  # the next one waits 20 s again
+
+
+class ShutdownSignal:
+    """A trace function (`sys.settrace`) that does what beat's SIGTERM handler does (the
+    scheduler's ``close()``, then ``SystemExit``) at the first instruction of the tick-state
+    write (`TICK_WRITE`) where a signal handler can run (`signal_can_land`) and it never did
+    before. ``landed`` lists where it did, in order."""
+
+    def __init__(self, scheduler: Any, codes: frozenset[CodeType]) -> None:
+        self.scheduler = scheduler
+        self.codes = codes
+        self.landed: list[tuple[str, int]] = []
+        self.done: set[tuple[CodeType, int]] = set()
+
+    def _on_call(self, frame: FrameType, event: str, argument: Any) -> Any:
+        if frame.f_code not in self.codes:
+            return None
+        frame.f_trace_opcodes = True
+        return InstructionTracer(self.at)
+
+    def at(self, frame: FrameType, previous: int | None) -> None:
+        where = (frame.f_code, frame.f_lasti)
+        if where in self.done or not signal_can_land(frame.f_code, previous, frame.f_lasti):
+            return
+        self.done.add(where)
+        self.landed.append((frame.f_code.co_qualname, frame.f_lineno))
+        sys.settrace(None)
+        self.scheduler.close()  # calls from a trace function are not traced
+        raise SystemExit
+
+
+def tick_write_codes() -> frozenset[CodeType]:
+    """The code that writes a sent tick's state: Celery's sync after a publish and the leader
+    database scheduler's sync and row write."""
+    from celery.beat import Scheduler
+
+    from celery_redlock.beat.django import LeaderDatabaseScheduler, LeaderModelEntry
+
+    functions = [Scheduler._do_sync, LeaderDatabaseScheduler.sync, LeaderModelEntry.save]
+    return frozenset(function.__code__ for function in functions)
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="reads CPython 3.11's exception table")
+def test_a_shutdown_at_any_point_of_a_ticks_write_leaves_the_rows_right(
+    broker: RedisServer, locks: RedisNodes, entries: Any
+) -> None:
+    """Beat's SIGTERM handler writes the schedule (the scheduler's ``close()``) and raises
+    SystemExit wherever the main thread is; right after a publish that is often the write of the
+    tick's state (the two-beat test above caught it once in CI: a row one tick behind). At every
+    instruction of that write where a signal handler can run, the shutdown leaves each row's
+    ``total_run_count`` equal to the ticks sent and its ``last_run_at`` that of the last."""
+    from django_celery_beat.models import IntervalSchedule
+
+    from celery_redlock.beat import LeaderDatabaseScheduler
+
+    IntervalSchedule.objects.update(every=3600)  # each entry is due once in the test
+    app = in_process_app(broker, locks)
+    codes = tick_write_codes()
+    done: set[tuple[CodeType, int]] = set()
+    landed: list[tuple[str, int]] = []
+    for attempt in range(1000):
+        # A lease of its own each time: no records of the ticks sent before.
+        app.conf.redlock_beat_lease_name = f"shutdown-{attempt}"
+        long_ago = datetime.now().astimezone() - timedelta(hours=2)
+        entries.objects.update(last_run_at=long_ago, total_run_count=0)
+        with broker.client() as client:
+            client.delete("celery")
+        scheduler = LeaderDatabaseScheduler(app=app)
+        shutdown = ShutdownSignal(scheduler, codes)
+        shutdown.done = done
+        sys.settrace(shutdown._on_call)
+        try:
+            for _ in range(4):
+                scheduler.tick()
+        except SystemExit:
+            pass
+        finally:
+            sys.settrace(None)
+        landed += shutdown.landed
+        if not shutdown.landed:
+            scheduler.close()
+        sent_names = Counter(published_names(broker))
+        state = database_state(entries)
+        for name in ENTRIES:
+            count = state[name][1]
+            assert count == sent_names[name], f"after a shutdown at {shutdown.landed}: {state}"
+            assert (state[name][0] == long_ago) == (count == 0), (shutdown.landed, state)
+        if not shutdown.landed:
+            break
+    assert len(landed) >= 15, landed  # 17 in CPython 3.11
+
+
+def published_names(broker: RedisServer) -> list[str]:
+    """The periodic task name of each message in the broker's default queue."""
+    with broker.client() as client:
+        raw = client.lrange("celery", 0, -1)
+    return [json.loads(item)["headers"]["periodic_task_name"] for item in raw]
 
 
 def test_a_row_is_never_written_back_to_an_older_state(entries: Any) -> None:

@@ -11,7 +11,12 @@ from datetime import datetime
 from typing import Any
 
 from celery.utils.time import maybe_make_aware
-from django.db import DatabaseError, InterfaceError  # type: ignore[import-untyped]
+from django.core.exceptions import ObjectDoesNotExist  # type: ignore[import-untyped]
+from django.db import (  # type: ignore[import-untyped]
+    DatabaseError,
+    InterfaceError,
+    close_old_connections,
+)
 from django.db.models import Q  # type: ignore[import-untyped]
 from django_celery_beat.schedulers import (  # type: ignore[import-untyped]
     DatabaseScheduler,
@@ -101,8 +106,24 @@ class LeaderDatabaseScheduler(LeaderMixin, DatabaseScheduler):  # type: ignore[m
         return self.is_leader
 
     def sync(self) -> None:
-        if self.is_leader:
-            super().sync()
+        """As the leader, write the state of each entry advanced since the last write to its row
+        (django-celery-beat's ``sync``, with its handling of database errors). An entry stays
+        among those to write until its row is written: beat's SIGTERM handler writes them again
+        (`close`) wherever it interrupts the main thread, this write included."""
+        if not self.is_leader:
+            return
+        try:
+            close_old_connections()
+            for name in list(self._dirty):
+                try:
+                    self._schedule[name].save()
+                except (KeyError, TypeError, ObjectDoesNotExist):
+                    continue  # tried again at the next write, as django-celery-beat does
+                self._dirty.discard(name)
+        except DatabaseError as error:
+            logger.exception("beat leader: database error while writing the schedule: %r", error)
+        except InterfaceError:
+            logger.warning("beat leader: database interface error while writing the schedule")
 
     def close(self) -> None:
         """Write the state of the ticks sent while still leading, then release the lease."""
