@@ -16,6 +16,9 @@ resumes a node meanwhile):
 - ``beside-a-waiter``: one greenlet waits for a held lock (``blocking=True``), so it reads the
   connections, while another takes a free lock once the connections have been idle longer than
   the idle check: two greenlets look at one socket at once;
+- ``burst``: first thing in the process, before any connection is made, every greenlet makes
+  single-round attempts on keys of its own for ``burst_seconds``; the line counts the outcomes
+  (with every node healthy, none may be "unavailable");
 - ``load``: the greenlets above; the line says what failed, whether two holders of the shared
   key ever overlapped, and the counter. After the last phase, how many connections each node has
   (this process is their only client).
@@ -38,15 +41,18 @@ if __name__ == "__main__":
     else:
         raise SystemExit(f"unknown mode {_MODE!r}: gevent or eventlet")
 
+import itertools
 import json
 import select
 import threading
 import time
+from collections import Counter
 from typing import Any
 
 import redis
 
 from celery_redlock import Redlock
+from celery_redlock.lock.outcomes import Acquired
 
 SHARED_RESOURCE = "green-shared"
 
@@ -144,6 +150,41 @@ def run(mode: str, dlm: Redlock, phase: int, options: dict[str, Any]) -> dict[st
     }
 
 
+def burst(mode: str, dlm: Redlock, seconds: float, greenlets: int) -> dict[str, Any]:
+    """Every greenlet makes single-round attempts on keys of its own for ``seconds``; how many
+    of each outcome there were (a few of each kind of failure, with when it came)."""
+    outcomes: Counter[str] = Counter()
+    failures: list[str] = []
+    start = threading.Event()
+
+    def body(number: int) -> None:
+        start.wait()
+        for cycle in itertools.count():
+            if time.monotonic() - started >= seconds:
+                return
+            outcome = dlm.attempt(f"green-burst-{number}-{cycle}", 10.0, rounds=1)
+            outcomes[type(outcome).__name__] += 1
+            if isinstance(outcome, Acquired):
+                dlm.release(outcome.lock)
+            elif len(failures) < 5:
+                failures.append(f"{time.monotonic() - started:.3f}s: {outcome!r}")
+
+    threads = [threading.Thread(target=body, args=(number,)) for number in range(greenlets)]
+    for thread in threads:
+        thread.start()
+    started = time.monotonic()
+    start.set()
+    for thread in threads:
+        thread.join(timeout=60)
+    return {
+        "mode": "burst",
+        "patched": is_patched(mode),
+        "hung": sum(thread.is_alive() for thread in threads),
+        "outcomes": dict(outcomes),
+        "failures": failures,
+    }
+
+
 def beside_a_waiter(dlm: Redlock) -> dict[str, Any]:
     """A greenlet takes a free lock while another waits for a held one; what each got."""
     held = dlm.acquire("green-held", ttl=10.0)
@@ -178,7 +219,9 @@ def main(mode: str, options: dict[str, Any]) -> None:
     for number, phase in enumerate(phases):
         if number:
             sys.stdin.readline()
-        if phase == "beside-a-waiter":
+        if phase == "burst":
+            summary = burst(mode, dlm, options["burst_seconds"], options.get("greenlets", 200))
+        elif phase == "beside-a-waiter":
             summary = beside_a_waiter(dlm)
             summary["patched"] = is_patched(mode)
         else:
