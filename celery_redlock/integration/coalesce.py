@@ -11,47 +11,80 @@ its process dying (once it has run, the copy is acknowledged as completed).
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Protocol
 
 from celery.exceptions import Ignore
 
-from ..errors import DuplicateCoalesced, QuorumUnavailable
-from ..lock.outcomes import Acquired, Held, Unavailable
+from ..errors import DuplicateCoalesced, DuplicateSkipped, QuorumUnavailable
+from ..lock.outcomes import Acquired, Held, Lock, Outcome, Record, Unavailable
 from ..lock.owner import Owner
 from ..lock.redlock import reservation_of, reserve
-from .policy import relation_of
+from .plan import TaskPlan
+from .policy import Step, relation_of
+from .runtime import AppRuntime
 
 
-def coalesce(run: Any, holder_text: str) -> Any:
-    """Become the pending run and wait for the lock (returning the outcome), or raise what this
-    delivery is instead: merged into the pending run, deferred, or lost the race for the
-    reservation (its deferred copy decides later)."""
+class CoalescingRun(Protocol):
+    """What coalescing uses of a run (`celery_redlock.integration.run.Run`)."""
+
+    runtime: AppRuntime
+    plan: TaskPlan
+    request: Any
+    claim: Lock
+    record: Record | None
+    writes_record: bool
+
+    def attempt(self, wait: float = 0.0, rounds: int | None = None) -> Outcome: ...
+
+    def publish_again(
+        self, countdown: float, headers: dict[str, Any] | None = None
+    ) -> Exception | None: ...
+
+    def defer(
+        self, outcome: Outcome, countdown: float, why: str, headers: dict[str, Any] | None = None
+    ) -> Step: ...
+
+    def skip(self, skipped: DuplicateSkipped) -> BaseException: ...
+
+    def holder_text(self, outcome: Outcome) -> str: ...
+
+    def report_duplicate(self, policy: str, holder: Owner | None) -> None: ...
+
+    def log(self, level: int, message: str, *args: object) -> None: ...
+
+
+def coalesce(run: CoalescingRun, outcome: Held) -> Step:
+    """Become the pending run and wait for the lock (returning the outcome), or how this
+    delivery ends instead: merged into the pending run, deferred, or lost the race for the
+    reservation (its deferred copy decides later). ``outcome``: the attempt that found the lock
+    held."""
     redlock = run.runtime.redlock
-    lock, plan = run.lock, run.plan
+    claim, plan = run.claim, run.plan
     try:
-        pending = reservation_of(redlock, lock.resource)
+        pending = reservation_of(redlock, claim.resource)
     except QuorumUnavailable as error:
         return Unavailable(error)
     if pending is not None:
-        raise join_pending(run, pending, holder_text)
+        return join_pending(run, pending, outcome)
     if run.request.is_eager:
         return run.attempt(wait=plan.wait)
     insured = insure(run, plan.ttl + 1.0)
-    reservation = reserve(redlock, lock.resource, plan.ttl, lock.owner, token=lock.token)
+    reservation = reserve(redlock, claim.resource, plan.ttl, claim.owner, token=claim.token)
     if not isinstance(reservation, Acquired):
         if isinstance(reservation, Held) and run.record is not None:
             # Another duplicate reserved first: merge into it, and record this attempt as
             # completed so that the copy just published is acknowledged when it comes.
-            redlock.release(lock, record=run.record)
-            raise join_pending(run, reservation, holder_text)
+            redlock.release(claim, record=run.record)
+            return join_pending(run, reservation, outcome)
         if not insured:
             return reservation  # no copy of it decides later: this delivery decides now
         run.log(
             logging.INFO,
             "lost the race for the reservation of %s; its copy decides later",
-            lock.key,
+            claim.key,
         )
-        raise Ignore()
+        later: BaseException = Ignore()
+        return later
     run.report_duplicate("coalesce", None)
     # A reservation lost while waiting needs no report: the lock itself decides.
     kept = run.runtime.keeper.keep(reservation.lock, lambda kept: None, None, True)
@@ -62,11 +95,11 @@ def coalesce(run: Any, holder_text: str) -> Any:
         redlock.release(reservation.lock, confirm=False)
 
 
-def insure(run: Any, countdown: float) -> bool:
-    """Publish the insurance copy (see above); False when the broker did not take it."""
-    try:
-        run.publish_again(countdown)
-    except Exception as error:  # the broker refused it, or could not be reached
+def insure(run: CoalescingRun, countdown: float) -> bool:
+    """Publish the insurance copy (see above); False when the broker did not take it. Once it
+    is published, the run records itself when its body ran, so that the copy is acknowledged."""
+    error = run.publish_again(countdown)
+    if error is not None:
         run.log(
             logging.WARNING,
             "goes on without a copy of itself in the broker (publishing it failed: %r): its work "
@@ -74,17 +107,18 @@ def insure(run: Any, countdown: float) -> bool:
             error,
         )
         return False
+    run.writes_record = True
     return True
 
 
-def join_pending(run: Any, pending: Held, holder_text: str) -> Ignore:
-    """The reservation is held: merge into that pending run, or defer this delivery when the
-    pending run is a copy of it."""
+def join_pending(run: CoalescingRun, pending: Held, outcome: Held) -> Step:
+    """The reservation is held: merge into that pending run, or defer this delivery (found
+    ``outcome``) when the pending run is a copy of it."""
     owner = Owner.parse(pending.holder)
     if relation_of(owner, run.request) == "other" and owner is not None:
         run.report_duplicate("coalesced", owner)
-        run.log(
-            logging.INFO, "coalesced into the pending run %s of lock %s", owner.id, run.lock.key
-        )
-        return run.skip(DuplicateCoalesced(run.lock.key, holder_text, into=owner.id))
-    return run.defer(pending.expires_in + 0.1, "a copy of it is the pending run")
+        key = run.claim.key
+        run.log(logging.INFO, "coalesced into the pending run %s of lock %s", owner.id, key)
+        holder_text = run.holder_text(outcome)
+        return run.skip(DuplicateCoalesced(key, holder_text, into=owner.id))
+    return run.defer(outcome, pending.expires_in + 0.1, "a copy of it is the pending run")

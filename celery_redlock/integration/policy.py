@@ -25,7 +25,12 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
+from ..lock.outcomes import Outcome
 from ..lock.owner import Owner
+
+Step = Outcome | BaseException
+"""What carrying out an action gives: the outcome of the next attempt, to decide on again, or
+how the delivery ends (`Ignore`, `Retry`, `Reject` or an error), for the run to raise."""
 
 
 class Action(enum.Enum):

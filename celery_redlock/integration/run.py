@@ -34,7 +34,7 @@ from .coalesce import coalesce
 from .events import WORKER_ATTRIBUTE, WorkerFacts
 from .messages import DEFERRED_HEADER, copy_may_come, message_field
 from .plan import TaskPlan
-from .policy import Action, Situation, decide, relation_of
+from .policy import Action, Situation, Step, decide, relation_of
 
 logger = logging.getLogger(__name__)
 
@@ -65,15 +65,6 @@ UNAVAILABLE_SINCE_HEADER = "celery_redlock_unavailable_since"
 from then, across deferrals)."""
 
 
-class DeferralNotPublished(Exception):
-    """The broker did not take a deferral or a retry; ``error`` says why. Handled by the run
-    itself (`Run.wait_instead`): it never reaches Celery or the caller."""
-
-    def __init__(self, why: str, error: BaseException) -> None:
-        super().__init__(f"{why}; publishing the deferral failed: {error!r}")
-        self.error = error
-
-
 # A body that ended in one of these ran: a redelivered copy of the same message must not run.
 # REJECTED is not among them: a rejected message may be queued again, and must then run.
 COMPLETED_STATES = frozenset({states.SUCCESS, states.FAILURE, states.RETRY, states.IGNORED})
@@ -81,8 +72,12 @@ COMPLETED_STATES = frozenset({states.SUCCESS, states.FAILURE, states.RETRY, stat
 
 class Run:
     """One delivery of a singleton task: its lock from the moment its token exists to its
-    release. Until `kept` is set the acquisition is under way: the token is known but the lock
-    may or may not be held, and `finish` releases it by that token."""
+    release. `claim` is the lock this run asks for (its key, token and owner, no validity);
+    until `kept` is set the acquisition is under way, the lock may or may not be held, and
+    `finish` releases it by the claim's token. Then `kept` holds the granted lock.
+
+    Every step of `take_lock` returns a `Step`: the outcome to decide on next, or how the
+    delivery ends; only `take_lock` raises it."""
 
     def __init__(self, task: Any, plan: TaskPlan, request: Any, resource: str) -> None:
         self.task = task
@@ -105,7 +100,7 @@ class Run:
         nesting, retries = self.attempt_rank
         owner = plan.owner_texts.text(request.id, retries, nesting, worker)
         key = self.runtime.redlock.key_for(resource)
-        self.lock = Lock(
+        self.claim = Lock(
             resource, key, self.runtime.tokens.new(), validity=0.0, ttl=plan.ttl, owner=owner
         )
         self.record: Record | None = None  # checked by every attempt
@@ -120,8 +115,9 @@ class Run:
             self.record = Record(record_key, field, self.attempt_rank, lifetime)
             # The broker's window, not the record's lifetime (a user may keep records longer).
             self.writes_record = copy_may_come(task.acks_late, request, plan.redelivery_window)
-        self.started = time.monotonic()
+        self.created = time.monotonic()
         self.kept: KeptLock | None = None
+        self.held_since = 0.0  # when `kept` was set
 
     def execute(
         self, args: Sequence[Any], kwargs: dict[str, Any], body: Callable[[], Any] | None = None
@@ -157,11 +153,13 @@ class Run:
             self.finish(state)
 
     def take_lock(self) -> Lock | None:
-        """The lock to run with, None to run unguarded, or the decision raised: `Ignore`
-        (acknowledged, skipped, deferred), `Retry`, or an error."""
-        outcome = self.attempt()
+        """The lock to run with, or None to run unguarded; raises how the delivery ends
+        instead: `Ignore` (acknowledged, skipped, merged, deferred), `Retry`, `Reject` (an
+        ``acks_late`` message requeued), or an error."""
+        step: Step = self.attempt()
         may_wait = True  # one wait per delivery; after it, the fallback applies
-        while True:
+        while not isinstance(step, BaseException):
+            outcome = step
             holder = Owner.parse(outcome.holder) if isinstance(outcome, Held) else None
             relation = relation_of(holder, self.request)
             action = decide(
@@ -188,49 +186,39 @@ class Run:
                 )
                 return None
             if action is Action.ACKNOWLEDGE:
-                raise self.acknowledge()
-            if action in (Action.DEFER, Action.RETRY):
-                try:
-                    if action is Action.RETRY:
-                        raise self.retry(outcome, holder)
-                    raise self.defer_past(outcome, relation, holder)
-                except DeferralNotPublished as failure:
-                    outcome = self.wait_instead(outcome, failure)
-                    continue
-            if action is Action.RAISE:
-                if isinstance(outcome, Unavailable):
-                    self.report(signals.lock_unavailable, policy=self.plan.on_unavailable)
-                    raise outcome.error
-                self.report_duplicate("raise", holder)
-                raise LockNotAcquired(self.lock.key, self.holder_text(outcome))
-            if action is Action.SKIP:
+                step = self.acknowledge()
+            elif action is Action.DEFER:
+                step = self.defer_past(outcome, relation, holder)
+            elif action is Action.RETRY:
+                step = self.retry(outcome, holder)
+            elif action is Action.RAISE:
+                step = self.refusal(outcome, holder)
+            elif action is Action.SKIP:
                 self.report_duplicate("skip", holder)
                 text = self.holder_text(outcome)
-                self.log(logging.INFO, "skipped: lock %s is held by %s", self.lock.key, text)
-                raise self.skip(DuplicateSkipped(self.lock.key, text))
-            if action is Action.WAIT:
-                outcome = self.wait(outcome, relation, holder)
+                self.log(logging.INFO, "skipped: lock %s is held by %s", self.claim.key, text)
+                step = self.skip(DuplicateSkipped(self.claim.key, text))
+            elif action is Action.WAIT:
+                step = self.wait(outcome, relation, holder)
                 may_wait = False
             elif action is Action.WAIT_FOR_NODES:
                 assert isinstance(outcome, Unavailable)
-                outcome = self.wait_for_nodes(outcome)
+                step = self.wait_for_nodes(outcome)
             else:
-                assert action is Action.COALESCE
-                try:
-                    outcome = coalesce(self, self.holder_text(outcome))
-                except DeferralNotPublished as failure:
-                    outcome = self.wait_instead(outcome, failure)
+                assert action is Action.COALESCE and isinstance(outcome, Held)
+                step = coalesce(self, outcome)
                 may_wait = False
+        raise step
 
     def attempt(self, wait: float = 0.0, rounds: int | None = None) -> Outcome:
         """One attempt, waiting up to ``wait`` seconds for the lock (``inf``: as long as needed)."""
         replaces = claim_prefix(self.task_id) if self.plan.replaces_claims and self.task_id else ""
         return self.runtime.redlock.attempt(
-            self.lock.resource,
+            self.claim.resource,
             self.plan.ttl,
-            self.lock.owner,
+            self.claim.owner,
             wait=wait,
-            token=self.lock.token,
+            token=self.claim.token,
             replaces=replaces,
             record=self.record,
             rounds=rounds,
@@ -247,9 +235,8 @@ class Run:
         def on_lost(kept: KeptLock) -> None:
             events.report(task, signals.lock_lost, task_id, key=key, reason=kept.lost_reason)
 
-        waited = time.monotonic() - self.started
-        self.lock = lock
-        self.started = time.monotonic()
+        waited = time.monotonic() - self.created
+        self.held_since = time.monotonic()
         self.kept = self.runtime.keeper.keep(lock, on_lost, deadline, self.plan.auto_extend)
         if signals.lock_acquired.receivers or self.monitored:
             self.report(signals.lock_acquired, waited=waited, fencing_token=lock.fencing_token)
@@ -269,14 +256,14 @@ class Run:
             # receiver of lock_released (or a monitor) needs the answer; otherwise the run does
             # not wait for it (the next command this process sends a node runs after it).
             released = self.runtime.redlock.release(
-                self.lock,
+                self.claim if kept is None else kept.lock,
                 hold=self.plan.hold if state != states.RETRY else 0.0,
                 record=self.record if records else None,
                 confirm=reported,
             )
         except RedlockError as error:
             logger.warning(
-                "releasing lock %s failed (it expires by itself): %s", self.lock.key, error
+                "releasing lock %s failed (it expires by itself): %s", self.claim.key, error
             )
         self.forget()
         if kept is None:
@@ -285,14 +272,14 @@ class Run:
             self.log(
                 logging.ERROR,
                 "finished after losing its lock %s (%s)",
-                self.lock.key,
+                self.claim.key,
                 kept.lost_reason,
             )
         if reported:
             self.report(
                 signals.lock_released,
                 state=state,
-                held=time.monotonic() - self.started,
+                held=time.monotonic() - self.held_since,
                 released=released and not (self.plan.hold and state != states.RETRY),
             )
         return released
@@ -312,10 +299,11 @@ class Run:
             return self.attempt(wait=min(outcome.expires_in, IN_PROCESS_WAIT))
         return self.attempt(wait=min(self.plan.ttl, IN_PROCESS_WAIT))
 
-    def wait_for_nodes(self, outcome: Unavailable) -> Outcome:
+    def wait_for_nodes(self, outcome: Unavailable) -> Step:
         """Wait for a quorum (``on_unavailable="retry"``), in this process a while, then deferred,
         without spending the task's retries, until ``redlock_unavailable_timeout`` (counted from
-        this call's first miss) fails the task. Returns the first outcome not `Unavailable`."""
+        this call's first miss) fails the task. Returns the first outcome not `Unavailable`, or
+        the end: deferred, or the error once the timeout is spent."""
         request = self.request
         self.report(signals.lock_unavailable, policy=self.plan.on_unavailable)
         since = float((request.headers or {}).get(UNAVAILABLE_SINCE_HEADER) or time.time())
@@ -333,13 +321,11 @@ class Run:
                     time.time() - since,
                     outcome.error,
                 )
-                raise outcome.error
+                return outcome.error
             if time.monotonic() >= patience_ends:
                 headers = {UNAVAILABLE_SINCE_HEADER: since}
-                try:
-                    raise self.defer(UNAVAILABLE_LONGEST_PAUSE, "no quorum of lock nodes", headers)
-                except DeferralNotPublished as failure:
-                    return self.wait_instead(outcome, failure)
+                why = "no quorum of lock nodes"
+                return self.defer(outcome, UNAVAILABLE_LONGEST_PAUSE, why, headers)
             time.sleep(jittered(pause))
             pause = min(pause * 2, UNAVAILABLE_LONGEST_PAUSE)
             # One round per try: this loop is the retry, and each round waits for the probes of
@@ -349,18 +335,19 @@ class Run:
                 return next_outcome
             outcome = next_outcome
 
-    def wait_instead(self, outcome: Outcome, failure: DeferralNotPublished) -> Outcome:
-        """The deferral (or retry) was not published: wait for the lock here `UNPUBLISHED_PAUSE`
-        seconds and return the next outcome, to decide again. Once it may wait no longer, raise:
-        `Reject` (requeue) for an ``acks_late`` message, which the broker still holds, after
-        `ACKS_LATE_PATIENCE` seconds; else the publishing error at half the tighter time limit,
-        rather than be killed by it unrecorded (a message acknowledged on receipt is gone from the
-        broker; with no limit it waits as long as it takes)."""
+    def wait_instead(self, outcome: Outcome, why: str, error: Exception) -> Step:
+        """The deferral (or retry) was not published (``error``): wait for the lock here
+        `UNPUBLISHED_PAUSE` seconds and return the next outcome, to decide again. Once it may
+        wait no longer, the end: `Reject` (requeue) for an ``acks_late`` message, which the
+        broker still holds, after `ACKS_LATE_PATIENCE` seconds; else the publishing error at half
+        the tighter time limit, rather than be killed by it unrecorded (a message acknowledged on
+        receipt is gone from the broker; with no limit it waits as long as it takes)."""
+        failure = f"{why}; publishing the deferral failed: {error!r}"
         limits = [limit / 2 for limit in self.time_limits if limit]
         acks_late = bool(self.task.acks_late)
         if acks_late:
             limits.append(ACKS_LATE_PATIENCE)
-        left = min(limits) - (time.monotonic() - self.started) if limits else float("inf")
+        left = min(limits) - (time.monotonic() - self.created) if limits else float("inf")
         if left <= 0:
             if acks_late:
                 self.log(
@@ -368,14 +355,15 @@ class Run:
                     "could not be deferred (%s): its message goes back to the broker",
                     failure,
                 )
-                raise Reject(failure.error, requeue=True) from failure.error
+                requeued: BaseException = Reject(error, requeue=True)
+                return requeued
             self.log(
                 logging.ERROR,
                 "failed: it could not be deferred (%s), and it may not wait longer "
                 "within its time limits",
                 failure,
             )
-            raise failure.error
+            return error
         self.log(
             logging.WARNING, "could not be deferred (%s): it waits in its process instead", failure
         )
@@ -399,51 +387,63 @@ class Run:
         if self.stores_results():
             with contextlib.suppress(NotImplementedError):  # no result backend configured
                 if task.backend.get_state(request.id) == states.PENDING:
-                    error = AlreadyCompleted(self.lock.key, request.id)
+                    error = AlreadyCompleted(self.claim.key, request.id)
                     task.backend.store_result(request.id, error, states.REVOKED, request=request)
         events.announce_revoked(task, request.id)
         return Ignore()
 
-    def defer_past(self, outcome: Outcome, relation: str, holder: Owner | None) -> Ignore:
+    def defer_past(self, outcome: Outcome, relation: str, holder: Owner | None) -> Step:
         """Defer this delivery until the holder is gone (or a split vote is over)."""
         if isinstance(outcome, Contended):
             # Racing callers settle in moments and leftovers expire in retry_in: come back soon.
             countdown = min(outcome.retry_in, SPLIT_VOTE_DEFERRAL)
-            return self.defer(countdown, "no majority agreed on a holder")
+            return self.defer(outcome, countdown, "no majority agreed on a holder")
         assert isinstance(outcome, Held)
         if relation == "continuation":
-            return self.defer(outcome.expires_in + 0.1, "its predecessor still holds the lock")
+            why = "its predecessor still holds the lock"
+            return self.defer(outcome, outcome.expires_in + 0.1, why)
         # The broker delivered this attempt again while a copy of it holds the lock (a visibility
         # timeout, a lost connection, a dead host), or the application sent the task id again:
         # run it once the holder is gone (or acknowledge it then, if the record says it ran).
         self.report_duplicate("redelivered", holder)
-        return self.defer(outcome.expires_in + 0.1, f"a copy of it holds the lock ({holder})")
+        why = f"a copy of it holds the lock ({holder})"
+        return self.defer(outcome, outcome.expires_in + 0.1, why)
 
-    def defer(self, countdown: float, why: str, headers: dict[str, Any] | None = None) -> Ignore:
-        """Publish this very message again to run after ``countdown`` seconds, ending this delivery;
-        `DeferralNotPublished` when the broker does not take it (then: `wait_instead`)."""
+    def defer(
+        self,
+        outcome: Outcome,
+        countdown: float,
+        why: str,
+        headers: dict[str, Any] | None = None,
+    ) -> Step:
+        """Publish this very message again to run after about ``countdown`` seconds, ending this
+        delivery (`Ignore`); where the broker does not take it, wait here instead (`wait_instead`,
+        ``outcome`` the one deferred)."""
         if self.request.is_eager:
-            raise LockNotAcquired(self.lock.key, why)
-        try:
-            countdown = self.publish_again(countdown, headers)
-        except Exception as error:  # the broker refused it, or could not be reached
-            raise DeferralNotPublished(why, error) from error
-        self.log(logging.INFO, "deferred by %.1fs: %s", countdown, why)
-        return Ignore()
-
-    def publish_again(self, countdown: float, headers: dict[str, Any] | None = None) -> float:
-        """Publish this very message again (same id, attempt, message identity and options) to run
-        after about ``countdown`` seconds; returns the countdown used. Raises what the producer
-        raises when the broker does not take it. A run that goes on after it (a pending coalesced
-        run) records itself once its body ran, so the copy is acknowledged."""
-        self.writes_record = True
-        message_headers = {**(self.request.headers or {}), DEFERRED_HEADER: True, **(headers or {})}
+            return LockNotAcquired(self.claim.key, why)
         countdown += random.uniform(0.0, 0.5)  # copies published together come back apart
-        again = self.task.signature_from_request(
-            self.request, countdown=countdown, headers=message_headers
-        )
-        again.apply_async()
-        return countdown
+        error = self.publish_again(countdown, headers)
+        if error is not None:
+            return self.wait_instead(outcome, why, error)
+        self.log(logging.INFO, "deferred by %.1fs: %s", countdown, why)
+        deferred: BaseException = Ignore()
+        return deferred
+
+    def publish_again(
+        self, countdown: float, headers: dict[str, Any] | None = None
+    ) -> Exception | None:
+        """Publish this very message again (same id, attempt, message identity and options) to
+        run after ``countdown`` seconds: None once the broker took it, else what the producer
+        raised (the broker refused it, or could not be reached)."""
+        message_headers = {**(self.request.headers or {}), DEFERRED_HEADER: True, **(headers or {})}
+        try:
+            again = self.task.signature_from_request(
+                self.request, countdown=countdown, headers=message_headers
+            )
+            again.apply_async()
+        except Exception as error:
+            return error
+        return None
 
     def skip(self, skipped: DuplicateSkipped) -> Ignore:
         """Store the skip as REVOKED (Celery's only finished state meaning "will not run"), so a
@@ -460,9 +460,10 @@ class Run:
         events.announce_revoked(task, request.id)
         return Ignore()
 
-    def retry(self, outcome: Outcome, holder: Owner | None) -> Retry:
+    def retry(self, outcome: Outcome, holder: Owner | None) -> Step:
         """Celery's retry, backing off exponentially from one second, never beyond the holder's
-        remaining lock life. Raises `DeferralNotPublished` when the broker does not take it."""
+        remaining lock life; where the broker does not take it, wait here instead
+        (`wait_instead`); `LockNotAcquired` once the task's retries are spent."""
         assert isinstance(outcome, Held)
         self.report_duplicate("retry", holder)
         holder_text = self.holder_text(outcome)
@@ -472,15 +473,25 @@ class Run:
             logging.INFO,
             "retrying in %.1fs: lock %s is held by %s",
             countdown,
-            self.lock.key,
+            self.claim.key,
             holder_text,
         )
+        refused = LockNotAcquired(self.claim.key, holder_text)
         try:
-            return self.task.retry(
-                exc=LockNotAcquired(self.lock.key, holder_text), countdown=countdown
-            )
+            retried: BaseException = self.task.retry(exc=refused, countdown=countdown, throw=False)
         except Reject as rejected:  # Celery's answer when the broker did not take the retry
-            raise DeferralNotPublished("retrying", rejected.reason) from rejected
+            return self.wait_instead(outcome, "retrying", rejected.reason)
+        except LockNotAcquired as spent:  # max_retries reached: Celery raises the error given
+            return spent
+        return retried
+
+    def refusal(self, outcome: Outcome, holder: Owner | None) -> Exception:
+        """The error to end with (``"raise"``): no quorum, or held by another call."""
+        if isinstance(outcome, Unavailable):
+            self.report(signals.lock_unavailable, policy=self.plan.on_unavailable)
+            return outcome.error
+        self.report_duplicate("raise", holder)
+        return LockNotAcquired(self.claim.key, self.holder_text(outcome))
 
     def log(self, level: int, message: str, *args: object) -> None:
         """Log ``message`` about this run, after ``task <name>[<id>]``."""
@@ -497,7 +508,7 @@ class Run:
         self.report(signals.lock_duplicate, policy=policy, holder=holder_json)
 
     def report(self, signal: Signal, **fields: Any) -> None:
-        events.report(self.task, signal, self.task_id, key=self.lock.key, **fields)
+        events.report(self.task, signal, self.task_id, key=self.claim.key, **fields)
 
 
 def release_leftovers(sender: Any = None, task: Any = None, state: str = "", **_: Any) -> None:

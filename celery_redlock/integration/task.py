@@ -64,7 +64,7 @@ class SingletonTask(Task):  # type: ignore[misc]
     def lock(self) -> Lock | None:
         """The `Lock` held by the current run, or None."""
         run = current_run(self)
-        return run.lock if run is not None and run.kept is not None else None
+        return run.kept.lock if run is not None and run.kept is not None else None
 
     def extend_lock(self, ttl: float | None = None) -> bool:
         """Extend the current run's lock now (to ``ttl`` seconds, default the lock ttl), never past
@@ -79,7 +79,7 @@ class SingletonTask(Task):  # type: ignore[misc]
             )
         extended = run.runtime.keeper.extend_now(run.kept, ttl)
         if extended:
-            run.report(signals.lock_extended, validity=run.lock.validity)
+            run.report(signals.lock_extended, validity=run.kept.lock.validity)
         return extended
 
     def start_strategy(self, app: Any, consumer: Any, **kwargs: Any) -> Any:
