@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -34,6 +35,7 @@ from celery_redlock.lock.owner import Owner, claim_prefix, lock_value, owner_tex
 from celery_redlock.lock.redlock import Acquired, Contended, Held, Unavailable, release_if_owner
 from celery_redlock.lock.scripts import FENCE_AFTER_RELEASE_MILLISECONDS
 from celery_redlock.testing import RedisNodes, RedisServer
+from celery_redlock.testing.redis_servers import free_port
 
 # -- error replies are not votes ----------------------------------------------------------------
 
@@ -310,6 +312,43 @@ def test_a_fork_while_a_node_is_being_probed_leaves_the_child_working(
     finally:
         stop.set()
         thread.join()
+
+
+@pytest.mark.filterwarnings(
+    "ignore:This process .* is multi-threaded, use of fork:DeprecationWarning"
+)
+def test_a_forked_childs_threads_share_one_new_lock_over_the_clean_ups() -> None:
+    """Another thread holds an endpoint's lock over its clean-ups at the fork. In the child, 16
+    threads owe clean-ups at once, switching as often as the interpreter lets them: none waits
+    for the parent's lock, all take the same new one (each replacing it would let two threads
+    change the clean-ups at once), and each clean-up is owed once (nothing listens on the
+    server's port: nothing is paid meanwhile)."""
+    endpoint = Endpoint.from_url(f"redis://127.0.0.1:{free_port()}/0", node_timeout=0.2)
+    endpoint.owe(b"parent", b"packed", time.monotonic() + 60.0, "source")
+    guard_at_fork = endpoint._debts()
+    guard_at_fork.acquire()  # as by another thread of the parent, at the fork
+
+    def child() -> bool:
+        sys.setswitchinterval(1e-6)
+        start = threading.Barrier(16)
+        guards: list[int] = []
+
+        def owe(number: int) -> None:
+            start.wait()
+            endpoint.owe(f"child-{number}".encode(), b"packed", time.monotonic() + 60.0, "source")
+            guards.append(id(endpoint._debts()))
+
+        threads = [threading.Thread(target=owe, args=(number,)) for number in range(16)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return len(set(guards)) == 1 and endpoint.owed == 17
+
+    try:
+        assert exit_code_of_forked_child(child, timeout=10.0) == 0
+    finally:
+        guard_at_fork.release()
 
 
 @pytest.mark.filterwarnings(

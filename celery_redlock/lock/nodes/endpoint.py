@@ -36,6 +36,7 @@ from redis.retry import Retry
 
 from ...errors import ConfigurationError
 from ...settings import has_credentials, redact_url
+from .forks import ProcessLock
 from .resp import pack_command
 from .tls import TLSConnection, TLSContexts
 from .wakeups import Flag
@@ -166,8 +167,8 @@ class Endpoint:
         self._owed: dict[bytes, Debt] = {}
         self._paying: dict[bytes, Debt] = {}
         self._payment_done = Flag()
-        self._debts_guard = threading.Lock()
-        self._debts_pid = os.getpid()
+        self._debts_guard = ProcessLock()
+        self._debts_pid = os.getpid()  # the process the debts are of
 
     @classmethod
     def from_url(
@@ -388,15 +389,18 @@ class Endpoint:
 
     def _debts(self) -> threading.Lock:
         """The lock over the clean-ups. A child process gets a new one (another thread may have
-        held it at the fork), and owes again what the parent was sending."""
+        held it at the fork), the same for all its threads, and its first thread to ask owes
+        again what the parent was sending, while the others wait."""
+        guard = self._debts_guard.held()
         pid = os.getpid()
         if self._debts_pid != pid:
-            self._debts_guard = threading.Lock()
-            self._debts_pid = pid
-            self._owed.update(self._paying)
-            self._paying = {}
-            self._payment_done = Flag()
-        return self._debts_guard
+            with guard:
+                if self._debts_pid != pid:
+                    self._owed.update(self._paying)
+                    self._paying = {}
+                    self._payment_done = Flag()
+                    self._debts_pid = pid  # last: no thread skips the wait above before it
+        return guard
 
     def _drop_expired(self, now: float) -> None:
         """Drop the clean-ups no longer needed from the front (called with the debts' lock)."""
