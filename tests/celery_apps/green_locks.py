@@ -47,6 +47,7 @@ import select
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -75,6 +76,27 @@ def connections_to(url: str) -> int:
         return sum(1 for entry in client.client_list() if int(entry["id"]) != own)
 
 
+def run_at_once(body: Callable[[int, float], None], count: int) -> tuple[int, float]:
+    """Run ``body(number, began)`` in ``count`` green threads released together at ``began``
+    (``time.monotonic()``); wait for them (a minute at most each). Returns how many still run
+    and the seconds they took."""
+    start = threading.Event()
+    began = [0.0]
+
+    def released(number: int) -> None:
+        start.wait()
+        body(number, began[0])
+
+    threads = [threading.Thread(target=released, args=(number,)) for number in range(count)]
+    for thread in threads:
+        thread.start()
+    began[0] = time.monotonic()
+    start.set()
+    for thread in threads:
+        thread.join(timeout=60)
+    return sum(thread.is_alive() for thread in threads), time.monotonic() - began[0]
+
+
 def run(mode: str, dlm: Redlock, phase: int, options: dict[str, Any]) -> dict[str, Any]:
     """Run the greenlets of phase ``phase``; their summary."""
     greenlets: int = options.get("greenlets", 200)
@@ -86,7 +108,6 @@ def run(mode: str, dlm: Redlock, phase: int, options: dict[str, Any]) -> dict[st
     counter = [0]
     acquired = [0]
     waits: list[float] = []
-    start = threading.Event()
 
     def distinct(number: int) -> None:
         for cycle in range(cycles):
@@ -117,27 +138,19 @@ def run(mode: str, dlm: Redlock, phase: int, options: dict[str, Any]) -> dict[st
             if not dlm.release(lock):
                 errors.append(f"contender {number} could not release its lock")
 
-    def body(number: int) -> None:
-        start.wait()
+    def body(number: int, began: float) -> None:
         try:
             (contend if number < contenders else distinct)(number)
         except BaseException as error:
             errors.append(f"greenlet {number}: {error!r}")
 
-    threads = [threading.Thread(target=body, args=(number,)) for number in range(greenlets)]
-    for thread in threads:
-        thread.start()
-    started = time.monotonic()
-    start.set()
-    for thread in threads:
-        thread.join(timeout=60)
-    elapsed = time.monotonic() - started
+    hung, elapsed = run_at_once(body, greenlets)
     return {
         "mode": mode,
         "phase": phase,
         "patched": is_patched(mode),
         "has_poll": hasattr(select, "poll"),
-        "hung": sum(thread.is_alive() for thread in threads),
+        "hung": hung,
         "errors": errors[:20],
         "error_count": len(errors),
         "overlaps": overlaps[:20],
@@ -155,31 +168,23 @@ def burst(mode: str, dlm: Redlock, seconds: float, greenlets: int) -> dict[str, 
     of each outcome there were (a few of each kind of failure, with when it came)."""
     outcomes: Counter[str] = Counter()
     failures: list[str] = []
-    start = threading.Event()
 
-    def body(number: int) -> None:
-        start.wait()
+    def body(number: int, began: float) -> None:
         for cycle in itertools.count():
-            if time.monotonic() - started >= seconds:
+            if time.monotonic() - began >= seconds:
                 return
             outcome = dlm.attempt(f"green-burst-{number}-{cycle}", 10.0, rounds=1)
             outcomes[type(outcome).__name__] += 1
             if isinstance(outcome, Acquired):
                 dlm.release(outcome.lock)
             elif len(failures) < 5:
-                failures.append(f"{time.monotonic() - started:.3f}s: {outcome!r}")
+                failures.append(f"{time.monotonic() - began:.3f}s: {outcome!r}")
 
-    threads = [threading.Thread(target=body, args=(number,)) for number in range(greenlets)]
-    for thread in threads:
-        thread.start()
-    started = time.monotonic()
-    start.set()
-    for thread in threads:
-        thread.join(timeout=60)
+    hung, _ = run_at_once(body, greenlets)
     return {
         "mode": "burst",
         "patched": is_patched(mode),
-        "hung": sum(thread.is_alive() for thread in threads),
+        "hung": hung,
         "outcomes": dict(outcomes),
         "failures": failures,
     }
