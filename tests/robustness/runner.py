@@ -19,6 +19,7 @@ import json
 import os
 import random
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -131,6 +132,12 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
         "the package, e.g. lock/nodes/), or in one function of one (lock/nodes/channel.py:"
         "_connect_locked); default: the whole package",
     )
+    parser.add_argument(
+        "--package",
+        default="",
+        help="lock mode: the clients import this copy of celery_redlock (the directory holding "
+        "its __init__.py), e.g. the code before a change; default: the working tree's",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the history directory")
     arguments = parser.parse_args(argv)
     if arguments.seed is None:
@@ -189,9 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     print("\n0 violations")
     if not arguments.keep:
-        for path in directory.iterdir():
-            path.unlink()
-        directory.rmdir()
+        shutil.rmtree(directory)
     else:
         print(f"history kept in {directory}")
     return 0
@@ -259,17 +264,23 @@ def run(
 class ClientProcess:
     """One `workload` process."""
 
-    def __init__(self, index: int, config_path: Path, directory: Path) -> None:
+    def __init__(self, index: int, config_path: Path, directory: Path, package: str) -> None:
         self.index = index
         self.log = directory / f"p{index}.log"
         inherited = os.environ.get("PYTHONPATH", "")
-        environment = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), inherited])),
-        }
+        path = [str(ROOT), inherited]
+        working_directory = ROOT
+        if package:
+            # A directory whose only entry is that copy: the first on the path (`-m` puts the
+            # working directory there), ahead of the working tree and its editable install.
+            working_directory = directory / "package"
+            working_directory.mkdir(exist_ok=True)
+            with contextlib.suppress(FileExistsError):
+                (working_directory / "celery_redlock").symlink_to(Path(package).resolve())
+        environment = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, path))}
         self.process = subprocess.Popen(
             [sys.executable, "-m", "tests.robustness.workload", str(config_path), str(index)],
-            cwd=ROOT,
+            cwd=working_directory,
             env=environment,
             stdout=self.log.open("wb"),
             stderr=subprocess.STDOUT,
@@ -341,12 +352,14 @@ class LockClients:
         self.config_path.write_text(json.dumps(dataclasses.asdict(config)))
         self.directory = directory
         self.count = arguments.processes
+        self.package = arguments.package
         self.until = until
         self.clients: list[ClientProcess] = []
 
     def start(self) -> None:
         self.clients = [
-            ClientProcess(index, self.config_path, self.directory) for index in range(self.count)
+            ClientProcess(index, self.config_path, self.directory, self.package)
+            for index in range(self.count)
         ]
 
     def finish(self) -> list[Violation]:
@@ -448,6 +461,7 @@ def reproduce_command(arguments: argparse.Namespace) -> str:
         "keys",
     ]
     options += ["long_holds", "node_timeout", "interrupt_every", "interrupt", "fault_scope"]
+    options += ["package"]
     for option in [*options, "cut_every"]:
         default = parse([]).__dict__[option]
         value = getattr(arguments, option)
