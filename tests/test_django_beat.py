@@ -427,13 +427,15 @@ class ShutdownSignal:
     write (`TICK_WRITE`) where a signal handler can run (`signal_can_land`) and it never did
     before. ``landed`` lists where it did, in order."""
 
-    def __init__(self, scheduler: Any, codes: frozenset[CodeType]) -> None:
+    def __init__(
+        self, scheduler: Any, codes: frozenset[CodeType], done: set[tuple[CodeType, int]]
+    ) -> None:
         self.scheduler = scheduler
         self.codes = codes
         self.landed: list[tuple[str, int]] = []
-        self.done: set[tuple[CodeType, int]] = set()
+        self.done = done  # where it landed in earlier runs, shared with them
 
-    def _on_call(self, frame: FrameType, event: str, argument: Any) -> Any:
+    def on_call(self, frame: FrameType, event: str, argument: Any) -> Any:
         if frame.f_code not in self.codes:
             return None
         frame.f_trace_opcodes = True
@@ -487,9 +489,8 @@ def test_a_shutdown_at_any_point_of_a_ticks_write_leaves_the_rows_right(
         with broker.client() as client:
             client.delete("celery")
         scheduler = LeaderDatabaseScheduler(app=app)
-        shutdown = ShutdownSignal(scheduler, codes)
-        shutdown.done = done
-        sys.settrace(shutdown._on_call)
+        shutdown = ShutdownSignal(scheduler, codes, done)
+        sys.settrace(shutdown.on_call)
         try:
             for _ in range(4):
                 scheduler.tick()

@@ -421,11 +421,10 @@ class Run:
         ``outcome`` the one deferred)."""
         if self.request.is_eager:
             return LockNotAcquired(self.claim.key, why)
-        countdown += random.uniform(0.0, 0.5)  # copies published together come back apart
         error = self.publish_again(countdown, headers)
         if error is not None:
             return self.wait_instead(outcome, why, error)
-        self.log(logging.INFO, "deferred by %.1fs: %s", countdown, why)
+        self.log(logging.INFO, "deferred by about %.1fs: %s", countdown, why)
         deferred: BaseException = Ignore()
         return deferred
 
@@ -433,9 +432,10 @@ class Run:
         self, countdown: float, headers: dict[str, Any] | None = None
     ) -> Exception | None:
         """Publish this very message again (same id, attempt, message identity and options) to
-        run after ``countdown`` seconds: None once the broker took it, else what the producer
-        raised (the broker refused it, or could not be reached)."""
+        run after ``countdown`` seconds and up to half a second more: None once the broker took
+        it, else what the producer raised (the broker refused it, or could not be reached)."""
         message_headers = {**(self.request.headers or {}), DEFERRED_HEADER: True, **(headers or {})}
+        countdown += random.uniform(0.0, 0.5)  # copies published together come back apart
         try:
             again = self.task.signature_from_request(
                 self.request, countdown=countdown, headers=message_headers
