@@ -42,6 +42,10 @@ class NodeGroup:
         # Not a method of the group: rounds keep it, and a round still waiting in a connection
         # must not keep the group alive (its finalizer closes the connections).
         self.script_head = ScriptHeads()
+        self._members = self._members_with(self._reactor)
+
+    def _members_with(self, reactor: Reactor) -> Members:
+        return Members(self.nodes, self.node_timeout, reactor, self.script_head)
 
     def _new_reactor(self) -> Reactor:
         reactor = Reactor(self.node_timeout)
@@ -63,7 +67,10 @@ class NodeGroup:
                 # A forked child: the parent's sockets are closed here (the parent keeps its
                 # own), without any lock another thread may have held at the fork.
                 self._dispose()
-                reactor = self._reactor = self._new_reactor()
+                reactor = self._new_reactor()
+                # Members first: a thread that finds the new reactor finds its members too.
+                self._members = self._members_with(reactor)
+                self._reactor = reactor
         return reactor
 
     def close(self) -> None:
@@ -98,7 +105,10 @@ class NodeGroup:
         before when it resumes), but those ``spared`` (indexes): what it removes never reached
         them (`RoundResult.unsent` of the round that would have set it).
         """
-        members = Members(self.nodes, self.node_timeout, self.reactor(), self.script_head)
+        members = self._members
+        if members.reactor.pid != os.getpid():  # a forked child's first round
+            self.reactor()
+            members = self._members
         owed_until = time.monotonic() + owed_for if owed_for > 0 else 0.0
         round_ = Round(
             members, script, keys, arguments, judge, every, grants, owed_until, wait, spared
