@@ -127,6 +127,7 @@ class Redlock:
         # 0.2 had no cluster nodes, and a script's keys must share a cluster node's hash slot.
         self._legacy_layout = not any(isinstance(node, ClusterNode) for node in members)
         self._holds_legacy = self._legacy_layout and settings.compat_0_2
+        self._last_legacy = ("", "")
         self._checked_ttl: float | None = None
         self._tokens = Tokens()
 
@@ -142,7 +143,14 @@ class Redlock:
     def _with_legacy(self, key: str) -> str:
         if not self._holds_legacy:
             return key  # the scripts read the key itself as "none"
-        return legacy_key_of(self, key) or key
+        # The last key asked for, and its 0.2 key: a lock's release asks for what its
+        # acquisition did (one tuple, read and replaced whole by any thread).
+        last_key, last_legacy = self._last_legacy
+        if last_key == key:
+            return last_legacy
+        legacy = legacy_key_of(self, key) or key
+        self._last_legacy = (key, legacy)
+        return legacy
 
     # -- acquiring ---------------------------------------------------------------------------
 

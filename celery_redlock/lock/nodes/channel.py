@@ -243,6 +243,7 @@ class Channel:
                 self.close("the server closed the idle connection")
             return
         self._last_used = self._last_received = time.monotonic()
+        answers = False  # a reply that is not an error: the server works
         try:
             self._parser.feed(data)
             while (reply := self._parser.next_reply()) is not INCOMPLETE:
@@ -252,10 +253,11 @@ class Channel:
                 slot.reply = reply
                 slot.done = True
                 answered.append(slot)
+                answers = answers or reply.__class__ is not ErrorReply
         except ProtocolError as error:
             answered += self.fail(f"read failed: {describe_failure(error)}")
             return
-        if any(not isinstance(slot.reply, ErrorReply) for slot in answered[count:]):
+        if answers:
             self.endpoint.mark_answered(self._last_received - answered[count].sent_at)
 
     def silent_for(self, now: float, seconds: float) -> bool:

@@ -310,10 +310,11 @@ class Reactor:
 
     def _write_and_deliver(self) -> None:
         answered = self._answered
-        writers, self._writers = self._writers, {}
-        for target in writers:
-            answered += target.write()
-            self._rewatch(target)
+        if self._writers:
+            writers, self._writers = self._writers, {}
+            for target in writers:
+                answered += target.write()
+                self._rewatch(target)
         if answered:
             batch = answered[:]
             answered.clear()

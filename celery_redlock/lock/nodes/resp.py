@@ -26,11 +26,17 @@ script (whose replies are a few hundred bytes), and is not buffered for ever."""
 def pack_arguments(*arguments: str | int | bytes) -> bytes:
     """The arguments as RESP bulk strings, without the array header: for a part that several
     commands share (a script's ``EVALSHA <sha>``), encoded once (`pack_command`)."""
-    parts = []
+    if bytes not in map(type, arguments):
+        # Every round packs its call here: text and numbers in one string, encoded once (where
+        # every character is one byte, a length in characters is one in bytes).
+        text = "".join([f"${len(part)}\r\n{part}\r\n" for part in map(str, arguments)])
+        if text.isascii():
+            return text.encode()
+    parts: list[bytes] = []
     for argument in arguments:
         if argument.__class__ is not bytes:
-            argument = (argument if argument.__class__ is str else str(argument)).encode()
-        parts.append(b"$%d\r\n%b\r\n" % (len(argument), argument))
+            argument = str(argument).encode()
+        parts += (b"$%d\r\n" % len(argument), argument, b"\r\n")
     return b"".join(parts)
 
 

@@ -159,17 +159,14 @@ class Round(Waiting):
         now = time.monotonic()
         self.outstanding = len(self.nodes)  # before any slot is sent: nobody delivers yet
         skipped: list[tuple[int, LockNode, Endpoint | None]] = []
-        sending: list[tuple[int, LockNode, Endpoint]] = []
+        lateness: list[float] = []
         for index, node in enumerate(self.nodes):
             endpoint = endpoint_of(node, self.key)
             if endpoint is None or endpoint.is_backed_off(now):
                 skipped.append((index, node, endpoint))
             else:
-                sending.append((index, node, endpoint))
-        lateness: list[float] = []
-        for index, node, endpoint in sending:
-            lateness.append(endpoint.lateness)
-            self._send(index, node, endpoint, packed, asking=False)
+                lateness.append(endpoint.lateness)
+                self._send(index, node, endpoint, packed, asking=False)
         if skipped:
             self._skip(skipped, packed)
         self.patience = patience(self.node_timeout, lateness, self.quorum)
@@ -474,4 +471,6 @@ class Round(Waiting):
 
     def unsent(self) -> frozenset[int]:
         """The members the command never went to (backed off, or not located)."""
+        if all(self.sent):
+            return frozenset()
         return frozenset(index for index, sent in enumerate(self.sent) if not sent)
