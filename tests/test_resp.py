@@ -1,4 +1,5 @@
-"""The two reply parsers of the nodes layer (`celery_redlock.lock.nodes.resp`): hiredis's, used
+"""Commands as the nodes layer writes them, and the two reply parsers of the nodes layer
+(`celery_redlock.lock.nodes.resp`): hiredis's, used
 where the ``hiredis`` extra is installed, and the one in Python, used elsewhere, give the same
 replies from the same bytes however the reads split them, and refuse the same garbage. Pure
 functions of bytes: every test with lock nodes runs one of them against real servers (hiredis in
@@ -21,6 +22,7 @@ from celery_redlock.lock.nodes.resp import (
     PythonReplyParser,
     ReplyParser,
     new_reply_parser,
+    pack_command,
 )
 
 pytest.importorskip("hiredis")
@@ -123,3 +125,18 @@ def test_a_reply_that_never_ends_is_refused_after_the_limit(
 
 def test_connections_parse_with_hiredis_where_it_is_installed() -> None:
     assert isinstance(new_reply_parser(), HiredisReplyParser)
+
+
+@given(
+    st.lists(
+        st.one_of(st.text(), st.integers(), st.binary(), st.booleans()), min_size=1, max_size=12
+    )
+)
+def test_a_command_is_each_argument_as_a_bulk_string_of_its_bytes(arguments: list[Any]) -> None:
+    # Text is UTF-8 (a length counts bytes, not characters), bytes go as they are, numbers as
+    # their decimal text: the fast path for ASCII text must write what the general one does.
+    encoded = [part if isinstance(part, bytes) else str(part).encode() for part in arguments]
+    expected = b"*%d\r\n" % len(encoded) + b"".join(
+        b"$%d\r\n%b\r\n" % (len(part), part) for part in encoded
+    )
+    assert pack_command(*arguments) == expected
