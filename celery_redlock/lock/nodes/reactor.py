@@ -145,6 +145,7 @@ class Reactor:
         self._wake_reader, self._wake_writer = socket.socketpair()
         self._wake_reader.setblocking(False)
         self._wake_writer.setblocking(False)
+        self._wake_descriptor = self._wake_reader.fileno()
         self._woken = False
         self._running = threading.Lock()  # held by the reactor thread for as long as it runs
         self._starting = threading.Lock()
@@ -245,7 +246,7 @@ class Reactor:
             return
         self._ident = threading.get_ident()
         try:
-            self._poller.watch(self._wake_reader.fileno(), None)
+            self._poller.watch(self._wake_descriptor, None)
             while not self.disposed:
                 try:
                     self._turn()
@@ -281,7 +282,7 @@ class Reactor:
         else:
             timeout = min(self._next_check - time.monotonic(), IDLE_SECONDS)
         ready = self._poller.ready(timeout)
-        wake = self._wake_reader.fileno()
+        wake = self._wake_descriptor
         answered = self._answered
         for descriptor in ready:
             target = self._poller.watched.get(descriptor)
@@ -297,9 +298,10 @@ class Reactor:
         if now >= self._next_check:
             self._check_silences(now)
         self._write_and_deliver()
-        looks, self._looks = self._looks, []
-        for looked in looks:
-            looked.set()
+        if self._looks:
+            looks, self._looks = self._looks, []
+            for looked in looks:
+                looked.set()
 
     def _take_requests(self) -> None:
         self._woken = False  # first: a request posted from now on wakes the next poll

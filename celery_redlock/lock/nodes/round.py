@@ -288,9 +288,9 @@ class Round(Waiting):
             self._owe(index, endpoint)
             self._settle(index, call.main.failure)
             return
-        denied = [slot.reply for slot in call.slots if isinstance(slot.reply, ErrorReply)]
-        if denied and call.main is not call.slots[0] and denied[0] is call.slots[0].reply:
-            reply = denied[0]  # ASKING refused (an ACL without +asking): that is the answer
+        asked = call.slots[0].reply  # after ASKING: the reply to ASKING
+        if call.main is not call.slots[0] and isinstance(asked, ErrorReply):
+            reply = asked  # ASKING refused (an ACL without +asking): that is the answer
         if isinstance(reply, ErrorReply):
             node.notice(reply, endpoint)  # MOVED, READONLY...: the member learns anew
             if reply.code in ("MOVED", "ASK", "TRYAGAIN"):
