@@ -100,11 +100,13 @@ POLICIES = {"skip": skip, "retry": retry, "wait": wait}
 
 
 @lock_duplicate.connect
-def record_skip(sender: Any, task_id: str, policy: str, **_: Any) -> None:
+def record_skip(sender: Any, task_id: str, policy: str, holder: Any = None, **_: Any) -> None:
     if policy == "skip":
         now = time.monotonic()
         record: Record = {"op": "task", "event": "skipped", "owner": f"pid {os.getpid()}"}
         record.update(key=f"skip:{sender.request.args[0]}", task_id=task_id, start=now, end=now)
+        # The run a majority of nodes named: it may still be acquiring (its round not returned).
+        record["holder"] = holder.get("id") if isinstance(holder, dict) else None
         histories.add(record)
 
 

@@ -331,7 +331,7 @@ def lost_tasks(history: Sequence[Record]) -> list[Violation]:
             run
             for run in ran.get(record["key"], [])
             if run["task_id"] != task_id
-            and min(run["start"], locked_at.get(run["task_id"], math.inf)) - SLACK <= skip["end"]
+            and held_from(run, skip, locked_at, sent) - SLACK <= skip["end"]
             and max(run["end"], released_at.get(run["task_id"], 0.0)) + SLACK >= skip["start"]
         ]
         if not holding:
@@ -344,6 +344,19 @@ def lost_tasks(history: Sequence[Record]) -> list[Violation]:
                 )
             )
     return violations
+
+
+def held_from(
+    run: Record, skip: Record, locked_at: dict[str, float], sent: dict[str, Record]
+) -> float:
+    """When ``run`` held its lock at the latest, as far as ``skip`` can tell: once its
+    acquisition returned, or its body started; for the run the skip named as the holder, once it
+    was sent (its lock is on the nodes as soon as its round's writes land there, before the
+    round returns)."""
+    held = min(run["start"], locked_at.get(run["task_id"], math.inf))
+    if skip.get("holder") == run["task_id"] and run["task_id"] in sent:
+        held = min(held, sent[run["task_id"]]["start"])
+    return held
 
 
 def task_overlaps(history: Sequence[Record]) -> list[Violation]:

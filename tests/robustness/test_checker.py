@@ -242,3 +242,20 @@ def test_a_skip_after_the_holder_released_is_false_unless_the_release_was_unconf
         task("skipped", "t2", 0.5, 0.5),  # the lock may be on the nodes until 0.21 + its ttl
     ]
     assert kinds(history) == expected
+
+
+@pytest.mark.parametrize(("named", "expected"), [("t1", []), ("t3", ["false-skip"])])
+def test_a_skip_naming_a_run_still_acquiring_is_a_true_duplicate(
+    named: str, expected: list[str]
+) -> None:
+    # t1's writes were on a majority when t2 looked, before t1's round returned (a slow node):
+    # t2 named it, and t1 ran. Naming a run that is not of this key proves nothing.
+    history = [
+        task("sent", "t1", 0.0, 0.0),
+        task("sent", "t2", 0.1, 0.1),
+        task("skipped", "t2", 0.3, 0.3) | {"holder": named},
+        task("acquired", "t1", 0.5, 0.5),
+        task("ran", "t1", 0.5, 0.6),
+        task("released", "t1", 0.61, 0.61),
+    ]
+    assert kinds(history) == expected
