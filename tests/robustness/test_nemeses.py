@@ -31,7 +31,8 @@ def test_a_killed_node_restarts_empty_only_after_the_longest_ttl_even_when_the_r
     # at once would grant a second holder while the first still holds the lock elsewhere.
     node = FakeNode()
     targets = Targets(nodes=[node], clients=[], longest_ttl=0.3)  # type: ignore[list-item]
-    nemeses = Nemeses(["kill"], seed=1, targets=targets, schedule=Schedule(time.monotonic()))
+    # Seed 50: its first kill comes after about a second (the loop waits 1-5 s between kills).
+    nemeses = Nemeses(["kill"], seed=50, targets=targets, schedule=Schedule(time.monotonic()))
     nemeses.start()
     deadline = time.monotonic() + 10
     while not node.killed_at and time.monotonic() < deadline:
