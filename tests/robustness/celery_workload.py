@@ -33,6 +33,7 @@ class CeleryWorkload:
         keys: Sequence[str],
         seed: int,
         node_timeout: float,
+        working_directory: Path,
     ) -> None:
         self.directory = directory
         self.keys = list(keys)
@@ -52,7 +53,7 @@ class CeleryWorkload:
                 settings=settings,
                 environment=environment,
                 python_path=[root],
-                working_directory=root,
+                working_directory=working_directory,  # the library copy under test comes first
                 log_path=directory / f"worker-{pool}.log",
             )
             for pool, concurrency in (("prefork", 2), ("threads", 4))

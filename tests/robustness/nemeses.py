@@ -137,9 +137,7 @@ class Nemeses:
                 node.kill()
             # Restarted empty only after the longest ttl, also when the run stops meanwhile (the
             # workload goes on for its healthy tail): what it held has expired by then.
-            restart_at = time.monotonic() + self.targets.longest_ttl + 0.2
-            self._sleep(restart_at - time.monotonic())
-            time.sleep(max(restart_at - time.monotonic(), 0.0))
+            time.sleep(self.targets.longest_ttl + 0.2)
             with self.node_lock:
                 node.start()
             self.schedule.log("kill", node.address, "end: restarted empty")

@@ -135,8 +135,9 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument(
         "--package",
         default="",
-        help="lock mode: the clients import this copy of celery_redlock (the directory holding "
-        "its __init__.py), e.g. the code before a change; default: the working tree's",
+        help="the lock clients (or, with --mode celery, the workers) import this copy of "
+        "celery_redlock (the directory holding its __init__.py), e.g. the code before a change; "
+        "default: the working tree's",
     )
     parser.add_argument("--keep", action="store_true", help="keep the history directory")
     arguments = parser.parse_args(argv)
@@ -230,7 +231,14 @@ def run(
     workload: LockClients | CeleryWorkload
     if arguments.mode == "celery":
         workload = CeleryWorkload(
-            ROOT, directory, store, topology.urls, keys, arguments.seed, arguments.node_timeout
+            ROOT,
+            directory,
+            store,
+            topology.urls,
+            keys,
+            arguments.seed,
+            arguments.node_timeout,
+            starting_directory(directory, arguments.package),
         )
     else:
         workload = LockClients(arguments, topology, store, directory, table_name, keys, until)
@@ -261,6 +269,20 @@ def run(
     return violations, figures(arguments, history, schedule, violations)
 
 
+def starting_directory(directory: Path, package: str) -> Path:
+    """Where the clients (lock clients or Celery workers) start: the working tree, or with
+    ``package`` a directory in the run's ``directory`` whose only entry is that copy of the
+    library: first on their path (``-m`` puts the working directory there), ahead of the working
+    tree and its editable install; ``tests`` still comes from the working tree."""
+    if not package:
+        return ROOT
+    working_directory = directory / "package"
+    working_directory.mkdir(exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        (working_directory / "celery_redlock").symlink_to(Path(package).resolve())
+    return working_directory
+
+
 class ClientProcess:
     """One `workload` process."""
 
@@ -269,18 +291,10 @@ class ClientProcess:
         self.log = directory / f"p{index}.log"
         inherited = os.environ.get("PYTHONPATH", "")
         path = [str(ROOT), inherited]
-        working_directory = ROOT
-        if package:
-            # A directory whose only entry is that copy: the first on the path (`-m` puts the
-            # working directory there), ahead of the working tree and its editable install.
-            working_directory = directory / "package"
-            working_directory.mkdir(exist_ok=True)
-            with contextlib.suppress(FileExistsError):
-                (working_directory / "celery_redlock").symlink_to(Path(package).resolve())
         environment = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, path))}
         self.process = subprocess.Popen(
             [sys.executable, "-m", "tests.robustness.workload", str(config_path), str(index)],
-            cwd=working_directory,
+            cwd=starting_directory(directory, package),
             env=environment,
             stdout=self.log.open("wb"),
             stderr=subprocess.STDOUT,
