@@ -293,7 +293,8 @@ class Reactor:
                     pass
             elif target is not None:
                 target.read(answered)
-                self._rewatch(target)
+                if target.socket is None:  # a read only ever closes a socket
+                    self._rewatch(target)
         now = time.monotonic()
         if now >= self._next_check:
             self._check_silences(now)
@@ -316,7 +317,8 @@ class Reactor:
             writers, self._writers = self._writers, {}
             for target in writers:
                 answered += target.write()
-                self._rewatch(target)
+                if target.socket is None:  # a write only ever closes a socket
+                    self._rewatch(target)
         if answered:
             batch = answered[:]
             answered.clear()
