@@ -11,13 +11,18 @@ Run from the repository root::
 Six fresh ``redis-server`` processes are started on free ports of 127.0.0.1 through
 ``celery_redlock.testing`` (never a Redis you already run) and stopped at the end, also on
 Ctrl-C, SIGTERM and errors: one is the broker, five are lock nodes. The same no-op task,
-``noop(i)``, is measured in five variants, all on that one broker:
+``noop(i)``, is measured in six variants, all on that one broker:
 
 * ``plain``: ``@app.task``;
 * ``redlock-1``: ``@singleton_task`` with ``redlock_urls`` = lock node 0;
 * ``redlock-5``: ``@singleton_task`` with ``redlock_urls`` = lock nodes 0-4;
 * ``celery-singleton``: ``@app.task(base=Singleton)``, its Redis backend on lock node 0;
-* ``celery-once``: ``@app.task(base=QueueOnce)``, its Redis backend on lock node 0.
+* ``celery-once``: ``@app.task(base=QueueOnce)``, its Redis backend on lock node 0;
+* ``shape``: ``@app.task`` whose body first takes a lock through `owner_shape.OwnerShape` on
+  lock node 0 (``SET NX`` through one owner thread, waited for) and posts its release at the
+  end, as ``@singleton_task`` does: the shape issue 37 chose for the nodes layer, bare. No
+  library of that shape can do better here; its row tells what the shape costs on this machine,
+  the distance to ``redlock-1`` what our promises and our code cost.
 
 One run of one variant:
 
@@ -103,6 +108,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import functools
 import hashlib
 import importlib.metadata
 import itertools
@@ -126,6 +132,7 @@ from benchmark_support import PRODUCTION_SERVER, server_version
 from celery import Celery, signals
 from celery_once import QueueOnce  # type: ignore[import-untyped]
 from celery_singleton import Singleton  # type: ignore[import-untyped]
+from owner_shape import OwnerShape
 
 import celery_redlock
 from celery_redlock import Redlock, singleton_task
@@ -155,6 +162,7 @@ VARIANTS: dict[str, str] = {
     "redlock-5": "`@singleton_task`, 5 lock nodes",
     "celery-singleton": f"celery-singleton {_version('celery-singleton')} (`base=Singleton`)",
     "celery-once": f"celery-once {_version('celery-once')} (`base=QueueOnce`)",
+    "shape": "the bare shape: one owner thread, `SET NX` + release script, 1 node",
 }
 LOCK_CLIENTS: dict[str, int] = {"client-1": 1, "client-5": 5}  # the lock client alone: nodes
 CLIENT_OF: dict[str, str] = {"redlock-1": "client-1", "redlock-5": "client-5"}
@@ -167,6 +175,8 @@ TARGET_ADDED_PER_CLIENT_PAIR = 1.0  # issue 17: what the integration adds <= one
 PACE_SECONDS = 0.001  # between two paced lock client pairs: about one plain no-op task
 TARGET_BYTES_LEFT = 64.0  # issue 23: lock node memory a run acknowledged on receipt leaves behind
 PEER = "celery-singleton"  # issue 23: @singleton_task on 1 node at least as fast as this peer
+SHAPE = "shape"
+SHAPE_TTL_MS = 60_000
 LOCK_NODES = 5
 
 NOOP = "benchmark.noop"
@@ -191,6 +201,30 @@ CLIENT_WARMUP = 20  # acquire + release pairs the lock client runs before it mea
 
 def noop(i: int) -> None:
     """The measured task: nothing at all."""
+
+
+@functools.cache
+def _shape(url: str) -> OwnerShape:
+    """This process's `OwnerShape` client of ``url`` (one per worker, made on first use)."""
+    return OwnerShape(url)
+
+
+def shape_noop_on(url: str) -> Any:
+    """The ``shape`` variant's task: `noop` inside a bare lock on ``url`` (``SET NX`` waited
+    for, the release only posted), the resource named after the call's argument."""
+
+    def shape_noop(i: int) -> None:
+        shape = _shape(url)
+        name = f"benchmark.shape.{i}"
+        token = shape.acquire(name, SHAPE_TTL_MS)
+        if token is None:
+            raise RuntimeError(f"{name} is held: the arguments were meant to be distinct")
+        try:
+            noop(i)
+        finally:
+            shape.release(name, token, wait=False)
+
+    return shape_noop
 
 
 def base_variant(variant: str) -> str:
@@ -228,7 +262,9 @@ def build_app(variant: str, broker_url: str, node_urls: list[str]) -> Celery:
             "settings": {"url": node_urls[0], "default_timeout": 60},
         },
     )
-    options: dict[str, Any] = {"name": NOOP, "ignore_result": True}
+    # Not shared: the harness builds an app per variant, and a shared task would be registered
+    # in every one of them (the shape's task under the same name as everybody's noop).
+    options: dict[str, Any] = {"name": NOOP, "ignore_result": True, "shared": False}
     if kind == "plain":
         app.task(**options)(noop)
     elif kind in ("redlock-1", "redlock-5"):
@@ -237,6 +273,8 @@ def build_app(variant: str, broker_url: str, node_urls: list[str]) -> Celery:
         app.task(base=Singleton, **options)(noop)
     elif kind == "celery-once":
         app.task(base=QueueOnce, **options)(noop)
+    elif kind == SHAPE:
+        app.task(**options)(shape_noop_on(node_urls[0]))
     else:
         raise ValueError(f"unknown variant {variant!r}")
     app.task(name=REPORT, ignore_result=True)(_report)
@@ -1030,6 +1068,15 @@ def markdown(results: Results) -> str:
                 f"- {verdict}: end to end, {label(variant)} {ours:,.0f}/s vs {label(PEER)} "
                 f"{theirs:,.0f}/s (target: at least as fast, issue 40)"
             )
+        if SHAPE in timed:
+            shape = results.end_to_end_median(SHAPE)
+            lines.append(
+                f"  - the bare shape (issue 37) end to end: {shape:,.0f}/s, "
+                f"{shape / theirs:.2f}x {label(PEER)}"
+            )
+            if "redlock-1" in timed:
+                ours = results.end_to_end_median("redlock-1")
+                lines.append(f"  - {label('redlock-1')} at {ours / shape:.2f}x the bare shape")
     if results.failures:
         lines.append("")
         lines.append(

@@ -15,7 +15,14 @@ reactor thread's included). The layers, each adding to the one before:
   (what a round's own bookkeeping costs between two hand-offs);
 - ``round``: one real `NodeGroup.run` of the release script;
 - ``pair``: `Redlock.acquire` + `Redlock.release`;
-- ``Round alone``: building and starting a `Round` without any I/O.
+- ``Round alone``: building and starting a `Round` without any I/O;
+- ``pair, bare shape``: the same pair through `owner_shape.OwnerShape` (one owner thread, ``SET
+  NX`` and the release script, nothing else): what the shape itself costs here;
+- ``pair, redis-py's Lock``: ``Redis.lock(name, timeout=30)``: ``acquire(blocking=False)`` +
+  ``release()``, its I/O done by the calling thread.
+
+Below the table, per pass: each pair's rate against redis-py's (issue 37 asks for 1.2x at one
+thread on a 16-core host).
 """
 
 from __future__ import annotations
@@ -27,7 +34,9 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+import redis
 from benchmark_support import PRODUCTION_SERVER, cpu_model, server_version
+from owner_shape import OwnerShape
 
 from celery_redlock import Redlock
 from celery_redlock.lock import scripts
@@ -75,8 +84,13 @@ def measure(calls: int, call: Callable[[], object]) -> tuple[float, float, float
     )
 
 
-def layers(redlock: Redlock) -> list[tuple[str, Callable[[], object]]]:
-    """The layers' calls, on ``redlock``'s one node."""
+PAIRS = ("pair", "pair, bare shape", "pair, redis-py's Lock")
+
+
+def layers(
+    redlock: Redlock, shape: OwnerShape, client: redis.Redis
+) -> list[tuple[str, Callable[[], object]]]:
+    """The layers' calls, on ``redlock``'s one node (``shape`` and ``client`` on the same)."""
     group = redlock._group
     reactor = group.reactor()
     endpoint = group.nodes[0].fixed_endpoint
@@ -104,12 +118,24 @@ def layers(redlock: Redlock) -> list[tuple[str, Callable[[], object]]]:
         assert lock is not None
         redlock.release(lock)
 
+    def shape_pair() -> None:
+        token = shape.acquire("bench-layers-shape", 30_000)
+        assert token is not None
+        assert shape.release("bench-layers-shape", token)
+
+    def redis_py_pair() -> None:
+        lock = client.lock("bench-layers-redis-py", timeout=30)
+        assert lock.acquire(blocking=False)
+        lock.release()
+
     return [
         ("hand-off", hand_off),
         ("hand-off + Round", hand_off_and_round),
         ("round", one_round),
         ("pair", pair),
         ("Round alone", round_alone),
+        ("pair, bare shape", shape_pair),
+        ("pair, redis-py's Lock", redis_py_pair),
     ]
 
 
@@ -121,16 +147,28 @@ def main(argv: list[str] | None = None) -> int:
     arguments = parser.parse_args(argv)
     with RedisServer(extra_args=PRODUCTION_SERVER) as server:
         redlock = Redlock([server.url])
+        shape = OwnerShape(server.url)
+        client = redis.Redis.from_url(server.url, socket_timeout=1.0)
+        walls: dict[tuple[int, str], float] = {}
         try:
             print("| pass | layer | wall µs | user µs | system µs |")
             print("|---:|---|---:|---:|---:|")
             for number in range(1, arguments.passes + 1):
-                for name, call in layers(redlock):
+                for name, call in layers(redlock, shape, client):
                     wall, user, system = measure(arguments.calls, call)
+                    walls[(number, name)] = wall
                     figures = f"{wall * 1e6:.0f} | {user * 1e6:.0f} | {system * 1e6:.0f}"
                     print(f"| {number} | {name} | {figures} |", flush=True)
         finally:
             redlock.close()
+            client.close()
+        print()
+        for number in range(1, arguments.passes + 1):
+            baseline = walls[(number, PAIRS[-1])]
+            rates = ", ".join(
+                f"{name} {baseline / walls[(number, name)]:.2f}x" for name in PAIRS[:-1]
+            )
+            print(f"Pass {number}, rate against redis-py's Lock: {rates}.")
     machine = f"{cpu_model()}, {os.cpu_count()} CPUs, Python {sys.version.split()[0]}"
     print(f"\nMachine: {machine}; {server_version('redis-server')}.")
     return 0
