@@ -163,6 +163,53 @@ def test_restarted_empty_node_rejoins_after_backoff(three_nodes, caplog):
     assert wait_until(lambda: value_on(three_nodes[2], "redlock:{rejoin}") is None, timeout=1.0)
 
 
+def test_a_noscript_read_after_the_round_decided_is_followed_in_order(three_nodes):
+    # Every node lost its scripts; the third answers its NOSCRIPT only after the round decided
+    # at quorum on the other two (it was hung for a moment) and the caller left.
+    dlm = Redlock(three_nodes.urls, node_timeout=2.0)
+    dlm.release(dlm.acquire("warm-up", ttl=5.0))
+    for server in three_nodes:
+        with server.client() as client:
+            client.script_flush()
+    three_nodes[2].pause()
+    try:
+        lock = dlm.acquire("late-noscript", ttl=30.0)
+    finally:
+        three_nodes[2].resume()
+    assert lock is not None
+    # Nothing was sent to the third node after the acquisition: it runs the call anyway, with
+    # the source, and holds what the others hold.
+    assert wait_until(lambda: values_on(three_nodes, lock.key) == [lock.value] * 3)
+    # Its NOSCRIPT was no fault of the server's: it is not backed off, and the next lock
+    # reaches it too.
+    second = dlm.acquire("after-the-late-noscript", ttl=30.0)
+    assert second is not None
+    assert values_on(three_nodes, second.key) == [second.value] * 3
+    assert dlm.release(second) is True
+    assert dlm.release(lock) is True
+    assert values_on(three_nodes, lock.key) == [None] * 3
+
+
+def test_a_late_noscript_is_not_followed_behind_a_later_command(three_nodes):
+    # The same, but the caller releases while the third node is still hung: the release is
+    # queued behind the acquisition on that node's connection, so resending the acquisition when
+    # its NOSCRIPT arrives would set the lock again after its release. It must not.
+    dlm = Redlock(three_nodes.urls, node_timeout=2.0)
+    dlm.release(dlm.acquire("warm-up", ttl=5.0))
+    for server in three_nodes:
+        with server.client() as client:
+            client.script_flush()
+    three_nodes[2].pause()
+    try:
+        lock = dlm.acquire("released-while-hung", ttl=30.0)
+        assert lock is not None
+        assert dlm.release(lock) is True  # a majority: the first two nodes
+    finally:
+        three_nodes[2].resume()
+    time.sleep(0.2)  # the third node's late replies are read and handled meanwhile
+    assert values_on(three_nodes, lock.key) == [None] * 3
+
+
 def test_scripts_are_resent_after_script_flush(three_nodes):
     dlm = Redlock(three_nodes.urls)
     dlm.release(dlm.acquire("warm-up", ttl=1.0))

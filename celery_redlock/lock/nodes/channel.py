@@ -94,10 +94,10 @@ class Waiter(Protocol):
 class Slot:
     """Where the reply to one queued command goes. ``tag`` is the waiter's own mark (which node,
     which command); ``failure`` says why the reply is `NO_REPLY`. ``sent_at`` is when the
-    command was sent (by its caller, or else when the reactor queued it), ``channel`` set when the
-    reactor queues it."""
+    command was sent (by its caller, or else when the reactor queued it), ``channel`` and
+    ``queued_as`` (the channel's `Channel.queued` count then) set when the reactor queues it."""
 
-    __slots__ = ("channel", "done", "failure", "reply", "sent_at", "tag", "waiter")
+    __slots__ = ("channel", "done", "failure", "queued_as", "reply", "sent_at", "tag", "waiter")
 
     def __init__(self, waiter: Waiter | None, tag: Any = None) -> None:
         self.waiter = waiter
@@ -107,6 +107,7 @@ class Slot:
         self.done = False
         self.sent_at = 0.0
         self.channel: Channel | None = None
+        self.queued_as = 0
 
 
 def readable_now(sock: Any) -> bool:
@@ -144,6 +145,7 @@ class Channel:
         self._last_used = 0.0
         self._last_received = 0.0  # when bytes last arrived from the server
         self._silence_reported: Slot | None = None  # the slot the server was backed off over
+        self.queued = 0  # payloads queued so far: nothing was queued after a slot queued as this
 
     def fileno(self) -> int:
         """The connection's descriptor, -1 while it is closed."""
@@ -158,9 +160,11 @@ class Channel:
     def queue(self, payload: bytes, slots: Sequence[Slot], now: float) -> bool:
         """Queue ``payload``, whose replies go to ``slots`` in order, to be written by `write`.
         Returns True if a connection must be made first (`start_connecting`)."""
+        self.queued += 1
         for slot in slots:
             slot.sent_at = slot.sent_at or now  # when its caller sent it, if it said
             slot.channel = self
+            slot.queued_as = self.queued
         self._pending.extend(slots)
         self._outbox.append(payload)
         self._last_used = now

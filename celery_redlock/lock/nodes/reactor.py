@@ -19,7 +19,8 @@ The invariants of the nodes layer stand here:
   waiter (`Waiter.deliver`, e.g. a round counting votes) with `Reactor.lock` held; a caller reads
   or changes its waiting's state under the same lock. The lock is never held during I/O, and
   what a waiter returns from `deliver` (a follow-up: a redirection, a script load) runs on the
-  reactor thread once the lock is free, and only posts requests.
+  reactor thread once the lock is free, and only posts requests, or queues one on a connection
+  at once (`send_at_once`) where it must go ahead of what callers posted since.
 - **Every wait has a deadline.** A server that owes replies and stays silent for the node
   timeout is backed off by the reactor's own timer (rounds that decide at quorum without it
   would never notice), and once silent for `hung_after` its connection fails and every slot on
@@ -159,6 +160,11 @@ class Reactor:
         ``slots`` in order (or `NO_REPLY`: the server is backed off, cannot be reached, or its
         connection fails)."""
         self._post(self._send, (endpoint, payload, slots))
+
+    def send_at_once(self, endpoint: Endpoint, payload: bytes, slots: Sequence[Slot]) -> None:
+        """On the reactor thread only (what a waiter left to do): `send`, queued on the
+        connection now, ahead of every request still in the inbox."""
+        self._send(endpoint, payload, slots)
 
     def listen(self, endpoint: Endpoint, channel: str, listener: Any) -> None:
         """Subscribe ``listener`` (a `Waiter`) to ``channel`` on ``endpoint``."""

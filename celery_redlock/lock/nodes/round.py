@@ -258,16 +258,37 @@ class Round(Waiting):
                 reply.code in _FOLLOWED
                 or (reply.code == "TRYAGAIN" and self.script.alone and not call.alone)
             )
-            and not self.finished
             and self.follow_ups_left[call.index] > 0
         ):
-            self.follow_ups_left[call.index] -= 1
-            if not self.attended:  # followed by the reactor thread, once its lock is free
-                return lambda: self._follow(call, reply)
-            self.follow_ups.append((call, call.main))
-            self.call_attention()
-            return None
+            if not self.finished:
+                self.follow_ups_left[call.index] -= 1
+                if not self.attended:  # followed by the reactor thread, once its lock is free
+                    return lambda: self._follow(call, reply)
+                self.follow_ups.append((call, call.main))
+                self.call_attention()
+                return None
+            if reply.code == "NOSCRIPT":
+                return self._late_noscript(call, reply)
         self._take(call)
+        return None
+
+    def _late_noscript(self, call: NodeCall, reply: ErrorReply) -> Callable[[], object] | None:
+        """A NOSCRIPT read after the round was finished: the member did not run the call, and
+        the server is not at fault (it lost its scripts). A member of a round that succeeded
+        runs it anyway (with the source), so that it holds what the others do — but only if
+        nothing was queued to it since (a release sent behind the call must not be overtaken),
+        and queued at once, ahead of the requests callers posted meanwhile."""
+        self._settle(call.index, f"answered after the round decided: {reply}")
+        main = call.main
+        assert main is not None
+        channel = main.channel
+        if (
+            self.successes >= self.quorum
+            and channel is not None
+            and channel.queued == main.queued_as
+        ):
+            packed = self._packed(by_source=True, alone=call.alone)
+            return lambda: self.reactor.send_at_once(call.endpoint, packed, [Slot(None, "late")])
         return None
 
     def _send_unattended(self, call: NodeCall, reply: object) -> None:
@@ -460,7 +481,9 @@ class Round(Waiting):
             )
         with self.reactor.lock:
             self.finished = True
-            return RoundResult(
+            # Follow-ups delivered after `collect` last looked: from now on `_late` takes them.
+            follow_ups, self.follow_ups = self.follow_ups, []
+            result = RoundResult(
                 list(self.replies),
                 self.successes,
                 self.answered,
@@ -468,6 +491,9 @@ class Round(Waiting):
                 list(self.why_not),
                 self.unsent(),
             )
+        for call, slot in follow_ups:
+            self._send_unattended(call, slot.reply)
+        return result
 
     def unsent(self) -> frozenset[int]:
         """The members the command never went to (backed off, or not located)."""
