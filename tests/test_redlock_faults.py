@@ -15,6 +15,7 @@ from redlock_support import Stopwatch, value_on, values_on, wait_until
 
 from celery_redlock import QuorumUnavailable, Redlock
 from celery_redlock.lock.nodes.endpoint import FIRST_BACKOFF_SECONDS
+from celery_redlock.testing import RedisNodes
 
 NODE_TIMEOUT = 0.2  # large enough to tell "waited for a hung node" from "did not"
 
@@ -163,14 +164,25 @@ def test_restarted_empty_node_rejoins_after_backoff(three_nodes, caplog):
     assert wait_until(lambda: value_on(three_nodes[2], "redlock:{rejoin}") is None, timeout=1.0)
 
 
+def flush_scripts(servers: RedisNodes) -> None:
+    """Empty every server's script cache under its live connections."""
+    for server in servers:
+        with server.client() as client:
+            client.script_flush()
+
+
+def connected_then_flushed(three_nodes: RedisNodes) -> Redlock:
+    """A `Redlock` (node timeout 2 s) whose connections are open, the scripts then flushed."""
+    dlm = Redlock(three_nodes.urls, node_timeout=2.0)
+    dlm.release(dlm.acquire("warm-up", ttl=5.0))
+    flush_scripts(three_nodes)
+    return dlm
+
+
 def test_a_noscript_read_after_the_round_decided_is_followed_in_order(three_nodes):
     # Every node lost its scripts; the third answers its NOSCRIPT only after the round decided
     # at quorum on the other two (it was hung for a moment) and the caller left.
-    dlm = Redlock(three_nodes.urls, node_timeout=2.0)
-    dlm.release(dlm.acquire("warm-up", ttl=5.0))
-    for server in three_nodes:
-        with server.client() as client:
-            client.script_flush()
+    dlm = connected_then_flushed(three_nodes)
     three_nodes[2].pause()
     try:
         lock = dlm.acquire("late-noscript", ttl=30.0)
@@ -194,11 +206,7 @@ def test_a_late_noscript_is_not_followed_behind_a_later_command(three_nodes):
     # The same, but the caller releases while the third node is still hung: the release is
     # queued behind the acquisition on that node's connection, so resending the acquisition when
     # its NOSCRIPT arrives would set the lock again after its release. It must not.
-    dlm = Redlock(three_nodes.urls, node_timeout=2.0)
-    dlm.release(dlm.acquire("warm-up", ttl=5.0))
-    for server in three_nodes:
-        with server.client() as client:
-            client.script_flush()
+    dlm = connected_then_flushed(three_nodes)
     three_nodes[2].pause()
     try:
         lock = dlm.acquire("released-while-hung", ttl=30.0)
@@ -213,19 +221,13 @@ def test_a_late_noscript_is_not_followed_behind_a_later_command(three_nodes):
 def test_scripts_are_resent_after_script_flush(three_nodes):
     dlm = Redlock(three_nodes.urls)
     dlm.release(dlm.acquire("warm-up", ttl=1.0))
-    for server in three_nodes:
-        with server.client() as client:
-            client.script_flush()
+    flush_scripts(three_nodes)
     lock = dlm.acquire("flushed", ttl=5.0)
     assert lock is not None
     assert wait_until(lambda: values_on(three_nodes, lock.key) == [lock.value] * 3)
-    for server in three_nodes:
-        with server.client() as client:
-            client.script_flush()
+    flush_scripts(three_nodes)
     assert dlm.extend(lock, ttl=6.0) is True
-    for server in three_nodes:
-        with server.client() as client:
-            client.script_flush()
+    flush_scripts(three_nodes)
     assert dlm.release(lock) is True
     assert wait_until(lambda: values_on(three_nodes, lock.key) == [None] * 3, timeout=1.0)
 
@@ -234,9 +236,7 @@ def test_a_node_that_answers_after_the_round_decided_still_sets_the_key(three_no
     """A new connection loads the scripts with its first command: a node whose script cache is
     empty and whose reply comes only after a quorum decided still holds the key, instead of
     answering a NOSCRIPT that nobody reads."""
-    for server in three_nodes:
-        with server.client() as client:
-            client.script_flush()
+    flush_scripts(three_nodes)
     dlm = Redlock(three_nodes.urls, node_timeout=1.0)
     three_nodes[2].pause()
     try:
@@ -268,9 +268,7 @@ def test_failed_acquisition_cleans_up_on_nodes_with_flushed_scripts(three_nodes)
     dlm = Redlock(three_nodes.urls, retry_count=1)
     dlm.release(dlm.acquire("warm-up", ttl=1.0))
     key = dlm.key_for("flushed-contended")
-    for server in three_nodes:
-        with server.client() as client:
-            client.script_flush()
+    flush_scripts(three_nodes)
     for server in three_nodes.servers[:2]:
         with server.client() as client:
             client.set(key, "someone-else", px=10_000)
