@@ -4,8 +4,9 @@ The first duplicate of a running call reserves the lock (`Redlock.reserve`) and 
 the release, for the lock itself, which goes to it, never to a newcomer. A duplicate that finds
 the reservation held by another call merges into it (that run starts after this one arrived, so
 its work covers this one's) and is stored as skipped with `DuplicateCoalesced`. Before reserving,
-a run publishes a deferred copy of itself, so that its work and the work merged into it survive
-its process dying (once it has run, the copy is acknowledged as completed).
+a run publishes deferred copies of itself (`INSURANCE_COPIES`), so that its work and the work
+merged into it survive its process dying (once it has run, the copies are acknowledged as
+completed).
 """
 
 from __future__ import annotations
@@ -95,16 +96,24 @@ def coalesce(run: CoalescingRun, outcome: Held) -> Step:
         redlock.release(reservation.lock, confirm=False)
 
 
+INSURANCE_COPIES = 2
+"""Copies of a pending run published as its insurance. The Redis transport takes a message off
+its queue before it records it as unacknowledged: a worker killed in between loses the one
+message it was fetching — often this very worker, fetching its own copy as it dies. It fetches
+one message at a time, so one of two copies survives; the other is acknowledged as completed
+(`Record`), like any redelivered copy of a message that ran."""
+
+
 def insure(run: CoalescingRun, countdown: float) -> bool:
-    """Publish the insurance copy (see above); False when the broker did not take it. Once it
-    is published, the run records itself when its body ran, so that the copy is acknowledged."""
-    error = run.publish_again(countdown)
-    if error is not None:
+    """Publish the insurance copies (see above); False when the broker took none. Once one is
+    published, the run records itself when its body ran, so that the copies are acknowledged."""
+    errors = [run.publish_again(countdown) for _ in range(INSURANCE_COPIES)]
+    if all(error is not None for error in errors):
         run.log(
             logging.WARNING,
             "goes on without a copy of itself in the broker (publishing it failed: %r): its work "
             "is lost if its process dies before it runs, unless it acks late",
-            error,
+            errors[0],
         )
         return False
     run.writes_record = True
