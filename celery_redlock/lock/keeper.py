@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..errors import LockLost, RedlockError
+from .nodes.threads import start_thread
 from .nodes.wakeups import Wakeup
 from .outcomes import Lock
 from .redlock import Redlock, drift
@@ -62,6 +63,8 @@ class LockKeeper:
             self._guard = threading.Lock()
             self._wakeup = Wakeup()
             self._queue: list[tuple[float, int, KeptLock]] = []
+            # The extending thread, as `start_thread` returned it: one that was interrupted
+            # while starting is not recorded (it may run anyway, until it is idle).
             self._thread: threading.Thread | None = None
             self._stopped_in_queue = 0
             self._sleeping_until = 0.0  # until when the thread sleeps (0: none sleeps)
@@ -114,11 +117,9 @@ class LockKeeper:
         kept.next_at = when
         self._this_process()
         with self._guard:
-            if self._thread is None:  # none yet, idle and ended, or left in the parent (above)
-                self._thread = threading.Thread(
-                    target=self._run, name="celery-redlock-keeper", daemon=True
-                )
-                self._thread.start()
+            thread = self._thread  # none yet, idle and ended, or left in the parent (above)
+            if thread is None or not thread.is_alive():
+                self._thread = start_thread(self._run, name="celery-redlock-keeper")
             heapq.heappush(self._queue, (when, next(self._order), kept))
             if when < self._sleeping_until:  # wake the thread only if it would sleep past this
                 self._wakeup.wake()
@@ -141,8 +142,11 @@ class LockKeeper:
                     # Nothing to extend for a while: the thread ends (the next lock kept starts
                     # another), so that it does not keep a dropped lock manager and its
                     # connections alive for ever.
-                    self._thread = None
-                    self._sleeping_until = 0.0
+                    if self._thread is threading.current_thread():
+                        self._thread = None
+                        self._sleeping_until = 0.0
+                    else:  # an unrecorded thread (see `_this_process`): the recorded one may sleep
+                        self._sleeping_until = float("inf")
                     return
                 else:
                     idle_since = now if idle_since is None else idle_since

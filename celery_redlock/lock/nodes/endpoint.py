@@ -38,6 +38,7 @@ from ...errors import ConfigurationError
 from ...settings import has_credentials, redact_url
 from .forks import ProcessLock
 from .resp import pack_command
+from .threads import start_thread
 from .tls import TLSConnection, TLSContexts
 from .wakeups import Flag
 
@@ -284,12 +285,7 @@ class Endpoint:
         self._probe_finished = Flag()
         # Not due yet: the probe sleeps first (so `probing` is False until then, from now on).
         self._probe_sleeping = self._down_until > time.monotonic()
-        threading.Thread(
-            target=self._probe,
-            args=(self._probe_finished,),
-            name=f"celery-redlock probe {self.name}",
-            daemon=True,
-        ).start()
+        start_thread(self._probe, self._probe_finished, name=f"celery-redlock probe {self.name}")
 
     def _probe(self, finished: Flag) -> None:
         """Probe the server once it is due; while clean-ups are owed to it, again after each

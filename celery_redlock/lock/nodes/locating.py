@@ -9,13 +9,13 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from ...errors import RedlockError
 from .endpoint import Endpoint
+from .threads import start_thread
 from .wakeups import Flag
 
 logger = logging.getLogger(__name__)
@@ -40,7 +40,7 @@ def ask_each(
             answers.put((candidate, None, str(error)))
 
     for candidate in candidates:
-        threading.Thread(target=run, args=(candidate,), daemon=True).start()
+        start_thread(run, candidate, name=f"celery-redlock ask {candidate.name}")
     return answers
 
 
@@ -126,16 +126,18 @@ class Locator:
         just_looked = now - self._looked_at < RELOCATE_INTERVAL_SECONDS
         if self._looking_pid == pid or (just_looked and not again):
             return
-        self._looking_pid = pid
-        starts_at = self._looked_at + RELOCATE_INTERVAL_SECONDS if just_looked else now
-        self._looked_at = starts_at  # before the thread runs: `ensure` waits from it
-        self._finished = finished = Flag()
-        threading.Thread(
-            target=self._run,
-            args=(finished, starts_at),
-            name=f"celery-redlock locate {self.name}",
-            daemon=True,
-        ).start()
+        try:
+            self._looking_pid = pid  # claimed first: callers from now on wait for this look
+            starts_at = self._looked_at + RELOCATE_INTERVAL_SECONDS if just_looked else now
+            self._looked_at = starts_at  # before the thread runs: `ensure` waits from it
+            self._finished = finished = Flag()
+            start_thread(self._run, finished, starts_at, name=f"celery-redlock locate {self.name}")
+        except BaseException:
+            # Interrupted (a soft time limit) before the look surely runs: the claim goes, or no
+            # look would ever start in this process again. No signal handler can run between
+            # entering this block and the claim's removal (there is no call in between).
+            self._looking_pid = 0
+            raise
 
     def _run(self, finished: Flag, starts_at: float) -> None:
         try:

@@ -28,6 +28,9 @@ The invariants of the nodes layer stand here:
   reactor does.
 - **A forked child gets its own reactor** (`nodes.group`): the parent's sockets are closed in
   the child, and its thread does not exist there.
+- **A caller's first request starts the thread**, and a handler may interrupt that start with
+  the thread left running or dead (`threads.start_thread`): the thread holds `_running` while it
+  runs, so the next request starts one exactly when none runs.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from .channel import Channel, Slot, hung_after, patience
 from .endpoint import Endpoint
 from .resp import pack_command
 from .subscriber import Subscriber
+from .threads import start_thread
 from .wakeups import Flag, Wakeup
 
 logger = logging.getLogger(__name__)
@@ -243,7 +247,7 @@ class Reactor:
         with self._starting:
             if self._running.locked() or self.disposed:
                 return
-            threading.Thread(target=self._run, name="celery-redlock reactor", daemon=True).start()
+            start_thread(self._run, name="celery-redlock reactor")
 
     # -- the reactor thread ------------------------------------------------------------------
 
@@ -430,12 +434,12 @@ class Reactor:
         """Make a connection for ``target`` in a thread of its own (a handshake blocks), so that
         every other connection goes on meanwhile and several are made at once."""
         attempt = target.start_connecting()
-        threading.Thread(
-            target=self._make_connection,
-            args=(target, attempt),
+        start_thread(
+            self._make_connection,
+            target,
+            attempt,
             name=f"celery-redlock connect {target.endpoint.name}",
-            daemon=True,
-        ).start()
+        )
 
     def _make_connection(self, target: Target, attempt: int) -> None:
         """In a connect thread: open the socket and hand it to the reactor thread."""

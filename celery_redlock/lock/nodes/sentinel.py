@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 import weakref
 from typing import Any, NamedTuple
@@ -37,6 +36,7 @@ from .endpoint import PROBE_TIMEOUT_SECONDS, Endpoint, KnownServers
 from .locating import Locator, every_answer, first_answer
 from .members import LockNode
 from .resp import ErrorReply
+from .threads import start_thread
 from .wakeups import Flag
 
 logger = logging.getLogger(__name__)
@@ -296,16 +296,24 @@ class Announcements:
         pid = os.getpid()
         if self._listening_pid == pid:
             return
-        self._listening_pid = pid
-        self._generation += 1
-        self._heard = set()
-        for sentinel in self._sentinels:
-            threading.Thread(
-                target=self._listen,
-                args=(sentinel, pid, self._generation),
-                name=f"celery-redlock announcements {sentinel.name}",
-                daemon=True,
-            ).start()
+        try:
+            self._listening_pid = pid
+            self._generation += 1
+            self._heard = set()
+            for sentinel in self._sentinels:
+                start_thread(
+                    self._listen,
+                    sentinel,
+                    pid,
+                    self._generation,
+                    name=f"celery-redlock announcements {sentinel.name}",
+                )
+        except BaseException:
+            # Interrupted (a soft time limit) before every sentinel surely has its thread: the
+            # claim goes (those started end), and the next caller starts them all anew. No
+            # signal handler can run between entering this block and the claim's removal.
+            self._listening_pid = 0
+            raise
 
     def heard_all(self) -> bool:
         """Whether this process hears every sentinel's announcements now."""
