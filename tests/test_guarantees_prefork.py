@@ -10,11 +10,10 @@ Two workers of three pool processes each consume one harness Redis broker (visib
 
 from __future__ import annotations
 
-import contextlib
+import itertools
 import json
 import os
 import signal
-import socket
 import threading
 import time
 import uuid
@@ -321,14 +320,20 @@ def test_lock_outcomes_are_celery_events_when_the_worker_sends_events(fleet: Fle
     listening = threading.Event()
 
     def listen() -> None:
+        # One capture, never left until the end: Redis carries events over publish/subscribe,
+        # so an event sent while no capture is subscribed is lost for good.
         with fleet.client_app.connection_for_read() as connection:
             receiver = fleet.client_app.events.Receiver(connection, handlers=handlers)
-            while not stop.is_set():
-                with contextlib.suppress(TimeoutError, socket.timeout):
-                    for _ in receiver.itercapture(limit=None, timeout=0.2, wakeup=False):
-                        if stop.is_set():
-                            return
-                listening.set()  # a capture round ended: the receiver's queue exists
+            iterations = itertools.count()
+
+            def on_iteration() -> None:
+                receiver.should_stop = stop.is_set()
+                if next(iterations) == 1:  # the first wait for events has subscribed
+                    listening.set()
+
+            receiver.on_iteration = on_iteration
+            for _ in receiver.consume(limit=None, timeout=None, safety_interval=0.2, wakeup=False):
+                pass
 
     listener = threading.Thread(target=listen, daemon=True)
     with celery_processes() as processes:
