@@ -12,11 +12,13 @@ completed).
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any, Protocol
 
 from celery.exceptions import Ignore
 
 from ..errors import DuplicateCoalesced, DuplicateSkipped, QuorumUnavailable
+from ..lock.keeper import KeptLock
 from ..lock.outcomes import Acquired, Held, Lock, Outcome, Record, Unavailable
 from ..lock.owner import Owner
 from ..lock.redlock import reservation_of, reserve
@@ -88,8 +90,9 @@ def coalesce(run: CoalescingRun, outcome: Held) -> Step:
         return later
     run.report_duplicate("coalesce", None)
     # A reservation lost while waiting needs no report: the lock itself decides.
-    kept = run.runtime.keeper.keep(reservation.lock, lambda kept: None, None, True)
+    kept = KeptLock(reservation.lock, None, lambda kept: None, weakref.ref(run))
     try:
+        run.runtime.keeper.start(kept)
         return run.attempt(wait=float("inf"))
     finally:
         run.runtime.keeper.stop(kept)

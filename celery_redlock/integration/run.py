@@ -14,6 +14,7 @@ import contextlib
 import logging
 import random
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -140,9 +141,9 @@ class Run:
         if lock is None:  # on_unavailable="run": documented as unguarded
             self.forget()
             return body()
-        self.hold_while_running(lock)
         state = states.FAILURE
         try:
+            self.hold_while_running(lock)
             result = body()
             state = states.SUCCESS
             return result
@@ -237,7 +238,11 @@ class Run:
 
         waited = time.monotonic() - self.created
         self.held_since = time.monotonic()
-        self.kept = self.runtime.keeper.keep(lock, on_lost, deadline, self.plan.auto_extend)
+        # Stored before it is extended, so that `finish` stops whatever was started; were the
+        # run to vanish without finishing, the keeper releases the lock (``holder``).
+        self.kept = kept = KeptLock(lock, deadline, on_lost, weakref.ref(self))
+        if self.plan.auto_extend:
+            self.runtime.keeper.start(kept)
         if signals.lock_acquired.receivers or self.monitored:
             self.report(signals.lock_acquired, waited=waited, fencing_token=lock.fencing_token)
 

@@ -14,8 +14,10 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..errors import LockLost, RedlockError
 from .nodes.threads import start_thread
@@ -30,11 +32,15 @@ IDLE_SECONDS = 2.0  # how long the thread waits with nothing to extend before it
 
 @dataclass(eq=False, slots=True)
 class KeptLock:
-    """A lock under the keeper's care, with why it was lost if it was."""
+    """A lock under the keeper's care, with why it was lost if it was. With a ``holder`` (a
+    weak reference to what holds the lock, such as a task's run), the lock is kept only while
+    the holder lives: one gone without `LockKeeper.stop` (a signal handler's exception cut its
+    end short) has its lock released by the keeper, never extended for ever."""
 
     lock: Lock
     hard_deadline: float | None
     on_lost: Callable[[KeptLock], None]
+    holder: weakref.ReferenceType[Any] | None = None
     lost_reason: str = ""
     stopped: bool = False
     next_at: float = 0.0
@@ -80,8 +86,13 @@ class LockKeeper:
         """Start caring for ``lock``; with ``auto_extend`` it is extended until `stop`."""
         kept = KeptLock(lock, hard_deadline, on_lost)
         if auto_extend:
-            self._schedule(kept, time.monotonic() + lock.validity / 3)
+            self.start(kept)
         return kept
+
+    def start(self, kept: KeptLock) -> None:
+        """Extend ``kept`` until `stop`. A caller that must be able to stop it whatever
+        interrupts it stores ``kept`` where its clean-up finds it before calling this."""
+        self._schedule(kept, time.monotonic() + kept.lock.validity / 3)
 
     def stop(self, kept: KeptLock) -> None:
         """Stop extending; returns after any extension in flight has finished."""
@@ -159,6 +170,10 @@ class LockKeeper:
             with kept.guard:
                 if kept.stopped or kept.is_lost:
                     continue
+                if kept.holder is not None and kept.holder() is None:
+                    kept.stopped = True
+                    self._release_orphan(kept)
+                    continue
                 if kept.next_at > time.monotonic():
                     # Extended by hand meanwhile: come back when that extension is a third old.
                     self._schedule(kept, kept.next_at)
@@ -204,6 +219,16 @@ class LockKeeper:
         # No quorum answered yet: try again soon, while the lock is still valid.
         kept.next_at = time.monotonic() + min(self.redlock._settings.retry_delay, remaining / 3)
         return False
+
+    def _release_orphan(self, kept: KeptLock) -> None:
+        # Its holder is gone without stopping it: the run it guarded has ended.
+        logger.warning("lock %s outlived its run: released", kept.lock.key)
+        try:
+            self.redlock.release(kept.lock, confirm=False)
+        except RedlockError as error:
+            logger.warning(
+                "releasing lock %s failed (it expires by itself): %s", kept.lock.key, error
+            )
 
     def _report_lost(self, kept: KeptLock) -> None:
         logger.error("lock %s was lost: %s", kept.lock.key, kept.lost_reason)
