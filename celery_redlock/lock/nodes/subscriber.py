@@ -2,13 +2,17 @@
 whoever listens. A release publishes on the lock key's channel; every thread waiting for that
 lock is woken, instead of each waiting thread holding a connection of its own.
 
-Like a `nodes.channel.Channel`, a subscriber is touched by its process's reactor thread alone."""
+Like a `nodes.channel.Channel`, a subscriber is touched by its process's reactor thread alone.
+It holds its listeners weakly: a listener its caller never closed (a signal handler's exception
+cut the caller short while it subscribed) is gone once nothing else holds it, and so is its
+subscription, instead of lasting as long as the process."""
 
 from __future__ import annotations
 
 import contextlib
 import ssl
 import time
+import weakref
 from typing import Any
 
 from redis.exceptions import RedisError as RedisClientError
@@ -30,7 +34,7 @@ class Subscriber:
         self.connecting = 0  # the number of the connection attempt under way (0: none)
         self.attempts = 0
         self._parser = new_reply_parser()
-        self._listeners: dict[str, set[Waiter]] = {}
+        self._listeners: dict[str, set[weakref.ReferenceType[Waiter]]] = {}
         self._outbox: list[bytes] = []
         self._confirmed: set[str] = set()
 
@@ -44,7 +48,9 @@ class Subscriber:
         server confirmed that subscription before). Returns True if a connection must be made
         first (`start_connecting`)."""
         first = channel not in self._listeners
-        self._listeners.setdefault(channel, set()).add(listener)
+        if first:
+            self._drop_unheard()
+        self._listeners.setdefault(channel, set()).add(weakref.ref(listener))
         if self.socket is None:
             return not self.connecting
         if first:
@@ -58,13 +64,28 @@ class Subscriber:
         listeners = self._listeners.get(channel)
         if listeners is None:
             return
-        listeners.discard(listener)
-        if listeners:
-            return
+        listeners.discard(weakref.ref(listener))
+        if not self._live(channel):
+            self._unsubscribe(channel)
+
+    def _live(self, channel: str) -> list[Waiter]:
+        """The listeners of ``channel`` still held by somebody."""
+        return [
+            listener
+            for reference in self._listeners.get(channel, ())
+            if (listener := reference()) is not None
+        ]
+
+    def _unsubscribe(self, channel: str) -> None:
         del self._listeners[channel]
         self._confirmed.discard(channel)
         if self.socket is not None:
             self._outbox.append(pack_command("UNSUBSCRIBE", channel))
+
+    def _drop_unheard(self) -> None:
+        """Unsubscribe from the channels whose every listener is gone unclosed."""
+        for channel in [channel for channel in self._listeners if not self._live(channel)]:
+            self._unsubscribe(channel)
 
     def start_connecting(self) -> int:
         """Note that a connection is being made; returns the attempt's number."""
@@ -85,7 +106,12 @@ class Subscriber:
         sock.setblocking(False)
         self.socket = sock
         self._parser = new_reply_parser()
-        self._outbox = [pack_command("SUBSCRIBE", *self._listeners)]
+        self._outbox = []
+        self._drop_unheard()
+        if not self._listeners:
+            self.close()
+            return False
+        self._outbox.append(pack_command("SUBSCRIBE", *self._listeners))
         return True
 
     def connect_failed(self, attempt: int, error: object) -> list[Slot]:
@@ -130,6 +156,9 @@ class Subscriber:
                 told += self._notifications(message)
         except ProtocolError:  # not RESP: what was read is in doubt
             told += self._lose("the subscribed connection sent what is not RESP")
+            return
+        if self._outbox:  # unsubscriptions from channels nobody listens to any more
+            told += self.write()
 
     def _notifications(self, message: Any) -> list[Slot]:
         if not isinstance(message, list) or len(message) != 3:
@@ -143,10 +172,13 @@ class Subscriber:
             tag = ("message", self.endpoint)
         else:
             return []
-        return [Slot(listener, tag) for listener in self._listeners.get(channel, ())]
+        listeners = self._live(channel)
+        if not listeners and channel in self._listeners:
+            self._unsubscribe(channel)
+        return [Slot(listener, tag) for listener in listeners]
 
     def _lose(self, reason: str) -> list[Slot]:
-        listeners = {listener for group in self._listeners.values() for listener in group}
+        listeners = {listener for channel in self._listeners for listener in self._live(channel)}
         self.close()
         self.endpoint.mark_down(time.monotonic(), reason)
         return [Slot(listener, ("lost", self.endpoint)) for listener in listeners]
