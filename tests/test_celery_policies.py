@@ -397,10 +397,12 @@ def test_same_task_id_delivered_again_while_running_is_not_run_twice(
     gate: threading.Event,
     run_log: RunLog,
     lock_signals: LockSignals,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     # What a Redis broker does to an acks_late task that outlives visibility_timeout: the same
     # message, same task id and retries, while the first copy still runs. Even with
     # on_duplicate="retry" the copy must neither run nor be retried.
+    caplog.set_level(logging.INFO, logger="celery_redlock")
     app = make_app(broker, lock_nodes)
     job = _holding_task(
         app, run_log, gate, "policy.redelivered", on_duplicate="retry", acks_late=True
@@ -413,6 +415,9 @@ def test_same_task_id_delivered_again_while_running_is_not_run_twice(
         job.apply_async((1,), {"hold": True}, task_id=task_id)
         (copy,) = lock_signals.wait("lock_duplicate", task_id=task_id)
         assert copy["policy"] == "redelivered"
+        # The log names the holder as people read it, not as the library stores it.
+        assert wait_until(lambda: "a copy of it holds the lock (task " in caplog.text)
+        assert "Owner(" not in caplog.text
         gate.set()
         entry = AsyncResult(task_id, app=app).get(timeout=10)
 

@@ -411,7 +411,7 @@ class Run:
         # timeout, a lost connection, a dead host), or the application sent the task id again:
         # run it once the holder is gone (or acknowledge it then, if the record says it ran).
         self.report_duplicate("redelivered", holder)
-        why = f"a copy of it holds the lock ({holder})"
+        why = f"a copy of it holds the lock ({self.holder_text(outcome)})"
         return self.defer(outcome, outcome.expires_in + 0.1, why)
 
     def defer(
