@@ -19,6 +19,7 @@ import pytest
 from celery import chain, chord, group
 from celery.exceptions import Ignore
 from celery_apps.support import (
+    ENDED_FOR_GOOD,
     LockSignals,
     RunLog,
     all_keys,
@@ -224,7 +225,7 @@ def test_a_task_id_that_completed_does_not_run_again(
         assert again["policy"] == "completed"
         assert job.AsyncResult(task_id).get(timeout=5) == 1  # the first run's result stays
     assert [run["task_id"] for run in run_log.runs()] == [task_id]
-    assert completion_ranks(lock_nodes, task_id) == [{"0:0"}] * len(lock_nodes)
+    assert completion_ranks(lock_nodes, task_id) == [{ENDED_FOR_GOOD}] * len(lock_nodes)
 
 
 def test_runs_acknowledged_on_receipt_leave_nothing_on_the_lock_nodes(
@@ -252,7 +253,7 @@ def test_runs_acknowledged_on_receipt_leave_nothing_on_the_lock_nodes(
         assert kept.get(timeout=10) == 1
         lock_signals.wait("lock_released", task_id=kept.id)
     assert wait_until(lambda: keys_of("edge.early") == [set()] * len(lock_nodes), timeout=5)
-    assert completion_ranks(lock_nodes, kept.id) == [{"0:0"}] * len(lock_nodes)
+    assert completion_ranks(lock_nodes, kept.id) == [{ENDED_FOR_GOOD}] * len(lock_nodes)
     (record,) = {key for key in keys_of("edge.late")[0] if ":done:" in key}
     for server in lock_nodes:
         with server.client() as client:
@@ -286,7 +287,7 @@ def test_a_message_that_waited_past_half_the_redelivery_window_leaves_a_record(
         assert (first.get(timeout=10), second.get(timeout=10)) == (1, 2)
         lock_signals.wait("lock_released", task_id=second.id)
     assert completion_ranks(lock_nodes, first.id) == [set()] * len(lock_nodes)
-    assert completion_ranks(lock_nodes, second.id) == [{"0:0"}] * len(lock_nodes)
+    assert completion_ranks(lock_nodes, second.id) == [{ENDED_FOR_GOOD}] * len(lock_nodes)
 
 
 def test_only_the_attempts_that_ran_are_completed(

@@ -20,7 +20,14 @@ from typing import Any
 
 import pytest
 from celery import Celery, Task, chord, signals
-from celery_apps.support import LockSignals, RunLog, completion_ranks, embedded_worker, make_app
+from celery_apps.support import (
+    ENDED_FOR_GOOD,
+    LockSignals,
+    RunLog,
+    completion_ranks,
+    embedded_worker,
+    make_app,
+)
 from redlock_support import requires_prompt_redelivery, wait_until
 
 from celery_redlock import singleton_task
@@ -326,6 +333,66 @@ def test_the_same_message_delivered_again_after_its_run_is_acknowledged_and_keep
     assert app.AsyncResult(result.id).get(timeout=5) == ran
 
 
+def _later_attempt(raw_message: bytes) -> bytes:
+    """The message as a retry of it would be published: the same message (its identity kept),
+    one attempt later."""
+    payload = json.loads(raw_message)
+    payload["headers"]["retries"] = payload["headers"].get("retries", 0) + 1
+    return json.dumps(payload).encode()
+
+
+def test_a_later_attempt_of_a_message_that_ended_for_good_is_acknowledged(
+    broker: RedisServer,
+    make_test_app: MakeApp,
+    run_log: RunLog,
+    deliveries: dict[str, list[str]],
+) -> None:
+    # Two copies of one attempt (a redelivery) can decide apart: one runs, the other finds a
+    # duplicate's lock held and retries. Here the test publishes that retry itself, after the
+    # run ended for good: a later attempt of a finished message must not run it again.
+    app = make_test_app()
+
+    @singleton_task(app=app, shared=False, bind=True, name="identity.forked", acks_late=True)
+    def job(self: Task, item: int) -> str:
+        with run_log.run(f"identity.forked:{item}", task_id=self.request.id) as entry:
+            return str(entry["run"])
+
+    result = job.delay(1)  # queued while no worker runs: the test can read the message
+    with broker.client() as client:
+        (raw_message,) = client.lrange("celery", 0, -1)
+    with embedded_worker(app, pool="solo"):
+        ran = result.get(timeout=10)
+        assert wait_until(lambda: _broker_settled(broker), timeout=5)
+        with broker.client() as client:
+            client.lpush("celery", _later_attempt(raw_message))
+        assert wait_until(lambda: _ran_twice_and_settled(deliveries, result.id, broker), 10), (
+            deliveries,
+            run_log.runs(),
+        )
+    assert [run["run"] for run in _runs_of(run_log, result.id)] == [ran]
+    assert _stored(app, result.id) == ("SUCCESS", ran)
+
+
+def test_a_retry_asked_for_without_raising_still_runs(
+    make_test_app: MakeApp, run_log: RunLog
+) -> None:
+    # ``retry(throw=False)`` publishes the next attempt and lets the body end in SUCCESS: that
+    # end must not be recorded as the message's last, or the retry would be acknowledged unrun.
+    app = make_test_app()
+
+    @singleton_task(app=app, shared=False, bind=True, name="identity.retry", acks_late=True)
+    def job(self: Task, item: int) -> None:
+        with run_log.run(f"identity.retry:{item}", task_id=self.request.id):
+            if self.request.retries == 0:
+                self.retry(countdown=0.2, throw=False)
+
+    with embedded_worker(app, pool="solo"):
+        result = job.delay(1)
+        assert wait_until(lambda: len(_runs_of(run_log, result.id)) == 2, timeout=10), (
+            run_log.runs()
+        )
+
+
 def test_a_redelivered_copy_acknowledged_on_receipt_records_its_run(
     broker: RedisServer,
     lock_nodes: RedisNodes,
@@ -358,7 +425,7 @@ def test_a_redelivered_copy_acknowledged_on_receipt_records_its_run(
             run_log.runs(),
         )
     assert [run["run"] for run in _runs_of(run_log, result.id)] == [ran]
-    assert completion_ranks(lock_nodes, result.id) == [{"0:0"}] * len(lock_nodes)
+    assert completion_ranks(lock_nodes, result.id) == [{ENDED_FOR_GOOD}] * len(lock_nodes)
 
 
 @requires_prompt_redelivery

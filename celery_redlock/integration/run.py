@@ -11,6 +11,7 @@ true duplicate.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import random
 import time
@@ -70,6 +71,15 @@ from then, across deferrals)."""
 # REJECTED is not among them: a rejected message may be queued again, and must then run.
 COMPLETED_STATES = frozenset({states.SUCCESS, states.FAILURE, states.RETRY, states.IGNORED})
 
+FINAL_STATES = frozenset({states.SUCCESS, states.FAILURE})
+"""A body that ended in one of these without asking for a retry ended its message for good."""
+
+LAST_RETRIES = 2**31 - 1
+"""The retry count a record stores for a message that ended for good: it covers every later
+attempt of the message at its nesting. Two copies of one attempt (a redelivery) can decide apart
+— one runs, the other finds a duplicate's lock and retries — and that retry is then acknowledged
+instead of running the message again."""
+
 
 class Run:
     """One delivery of a singleton task: its lock from the moment its token exists to its
@@ -116,6 +126,7 @@ class Run:
             self.record = Record(record_key, field, self.attempt_rank, lifetime)
             # The broker's window, not the record's lifetime (a user may keep records longer).
             self.writes_record = copy_may_come(task.acks_late, request, plan.redelivery_window)
+        self.may_retry = False  # the body asked Celery for a retry (`SingletonTask.retry`)
         self.created = time.monotonic()
         self.kept: KeptLock | None = None
         self.held_since = 0.0  # when `kept` was set
@@ -253,7 +264,11 @@ class Run:
         kept = self.kept
         if kept is not None:
             self.runtime.keeper.stop(kept)
-        records = self.writes_record and kept is not None and state in COMPLETED_STATES
+        record = self.record if self.writes_record and kept is not None else None
+        if record is not None and state not in COMPLETED_STATES:
+            record = None
+        elif record is not None and state in FINAL_STATES and not self.may_retry:
+            record = dataclasses.replace(record, rank=(self.attempt_rank[0], LAST_RETRIES))
         reported = kept is not None and (bool(signals.lock_released.receivers) or self.monitored)
         released = False
         try:
@@ -263,7 +278,7 @@ class Run:
             released = self.runtime.redlock.release(
                 self.claim if kept is None else kept.lock,
                 hold=self.plan.hold if state != states.RETRY else 0.0,
-                record=self.record if records else None,
+                record=record,
                 confirm=reported,
             )
         except RedlockError as error:

@@ -82,6 +82,15 @@ class SingletonTask(Task):  # type: ignore[misc]
             run.report(signals.lock_extended, validity=run.kept.lock.validity)
         return extended
 
+    def retry(self, *args: Any, **kwargs: Any) -> Any:
+        """Celery's `Task.retry`. The run notes first that a later attempt of its message may be
+        on its way, so that its end never records the message as ended for good (which would
+        take that attempt for a copy of a finished message: `run.LAST_RETRIES`)."""
+        run = current_run(self)
+        if run is not None:
+            run.may_retry = True
+        return super().retry(*args, **kwargs)
+
     def start_strategy(self, app: Any, consumer: Any, **kwargs: Any) -> Any:
         """Check the settings and options when the worker starts: a bad one stops the worker, with
         one log line naming the setting and the fix, instead of failing every run later."""

@@ -32,7 +32,9 @@ from redlock_support import collect_results_while_the_broker_is_up, values_on, w
 
 from celery_apps.subprocesses import Recorder
 from celery_redlock import signals as lock_signals_module
+from celery_redlock.integration.run import LAST_RETRIES
 from celery_redlock.lock import keyspace
+from celery_redlock.lock.scripts import RANK_FORMAT
 from celery_redlock.testing import RedisNodes, RedisServer, free_port
 
 LOCK_EVENTS = "lock-events"  # the `RunLog` stream where celery_apps.prefork_app records signals
@@ -298,6 +300,11 @@ class RunLog(Recorder):
 def lock_keys(nodes: RedisNodes, prefix: str = "redlock:") -> list[set[str]]:
     """The lock keys on each lock node (fencing counters and completion records left out)."""
     return [{key for key in keys if keyspace.is_lock_key(prefix, key)} for keys in all_keys(nodes)]
+
+
+ENDED_FOR_GOOD = RANK_FORMAT.format(0, LAST_RETRIES)
+"""The rank a run records when its message ended for good (success or failure, no retry asked
+for): it covers every later attempt of the message."""
 
 
 def completion_ranks(nodes: RedisNodes, task_id: str) -> list[set[str]]:
