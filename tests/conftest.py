@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -68,3 +69,11 @@ def three_nodes(redis_nodes: MakeRedisNodes) -> RedisNodes:
 def five_nodes(redis_nodes: MakeRedisNodes) -> RedisNodes:
     """Five independent started Redis masters, stopped at teardown."""
     return redis_nodes(5)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Move what the imports made out of the garbage collector's sight (`gc.freeze`): every
+    teardown collects garbage (`collect_results_while_the_broker_is_up`), and would otherwise
+    walk the hundreds of thousands of objects of Celery, Django and the test modules each time."""
+    gc.collect()
+    gc.freeze()
