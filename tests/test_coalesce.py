@@ -5,14 +5,13 @@ whose worker dies: tests/test_guarantees_prefork.py)."""
 
 from __future__ import annotations
 
-import dis
 import logging
 import os
 import signal
 import threading
 import time
 import uuid
-from types import CodeType, FrameType
+from types import FrameType
 from typing import Any
 
 import pytest
@@ -28,6 +27,7 @@ from celery_apps.support import (
 )
 from conftest import MakeRedisNodes
 from redlock_support import collect_results_while_the_broker_is_up, values_on, wait_until
+from robustness.interruptions import after_call_of, raising_once
 
 from celery_redlock import DuplicateCoalesced, SingletonTask, singleton_task
 from celery_redlock.integration import coalesce as coalesce_module
@@ -270,18 +270,6 @@ class Interrupted(Exception):
     """Raised in a worker thread where a signal handler's exception can land."""
 
 
-def right_after_the_keeper_starts(code: CodeType) -> int:
-    """The offset of the instruction right after ``code`` calls the keeper to keep a lock
-    (``start``, or ``keep`` before the reservation was stored first): a handler's landing."""
-    instructions = list(dis.get_instructions(code))
-    for index, instruction in enumerate(instructions):
-        if instruction.argval in ("start", "keep") and instruction.opname.startswith("LOAD"):
-            for following in range(index, len(instructions)):
-                if instructions[following].opname == "CALL":
-                    return instructions[following + 1].offset
-    raise AssertionError("coalesce no longer keeps its reservation")
-
-
 def test_a_pending_run_interrupted_as_it_keeps_its_reservation_leaves_it_to_its_copy(
     broker: RedisServer, lock_nodes: RedisNodes, run_log: RunLog, lock_signals: LockSignals
 ) -> None:
@@ -312,38 +300,29 @@ def test_a_pending_run_interrupted_as_it_keeps_its_reservation_leaves_it_to_its_
         return str(self.request.id)
 
     code = coalesce_module.coalesce.__code__
-    landing = right_after_the_keeper_starts(code)
-    raised: list[int] = []
+    landing = after_call_of(code, "start")  # the keeper's: the reservation is kept from there
 
-    def local(frame: FrameType, event: str, argument: Any) -> Any:
-        if event == "opcode" and frame.f_lasti == landing and not raised:
-            raised.append(threading.get_ident())
-            raise Interrupted("as the pending run's reservation was kept")
-        return local
+    def where(frame: FrameType, previous: int | None) -> bool:
+        return frame.f_lasti == landing
 
-    def tracer(frame: FrameType, event: str, argument: Any) -> Any:
-        if frame.f_code is code and not raised:
-            frame.f_trace_opcodes = True
-            return local
-        return None
-
-    threading.settrace(tracer)  # the worker's threads, started next
-    try:
-        with embedded_worker(app, concurrency=4):
-            first = refresh.delay("report", gate=1)
-            run_log.wait_task_started(first.id)
-            pending = refresh.delay("report")
-            assert wait_until(lambda: raised, 10)
-            gates[1].set()
-            assert first.get(timeout=10) == first.id
-            key = run_log.runs()[0]["key"]
-            # The pending run's insurance copy runs its work.
-            pending_id = pending.id
-            assert wait_until(lambda: pending_id in {run["task_id"] for run in run_log.runs()}, 10)
-            assert wait_until(lambda: key_gone(lock_nodes, keyspace.reservation_key(key)), 5)
-            later = refresh.delay("report")
-            assert later.get(timeout=10) == later.id
-            expected = [first.id, pending_id, later.id]
-    finally:
-        threading.settrace(None)  # type: ignore[arg-type]
+    interruption = Interrupted("as the pending run's reservation was kept")
+    # In the worker's threads, started next.
+    with (
+        raising_once([code], where, interruption, threads=True) as raised,
+        embedded_worker(app, concurrency=4),
+    ):
+        first = refresh.delay("report", gate=1)
+        run_log.wait_task_started(first.id)
+        pending = refresh.delay("report")
+        assert wait_until(lambda: raised, 10)
+        gates[1].set()
+        assert first.get(timeout=10) == first.id
+        key = run_log.runs()[0]["key"]
+        # The pending run's insurance copy runs its work.
+        pending_id = pending.id
+        assert wait_until(lambda: pending_id in {run["task_id"] for run in run_log.runs()}, 10)
+        assert wait_until(lambda: key_gone(lock_nodes, keyspace.reservation_key(key)), 5)
+        later = refresh.delay("report")
+        assert later.get(timeout=10) == later.id
+        expected = [first.id, pending_id, later.id]
     assert [run["task_id"] for run in run_log.runs()] == expected

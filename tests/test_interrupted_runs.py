@@ -13,16 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from types import CodeType, FrameType
-from typing import Any
 
 import pytest
 from celery import Celery
 from celery_apps.support import make_app
 from redlock_support import wait_until
-from robustness.interruptions import signal_can_land
+from robustness.interruptions import raising_once, signal_can_land
 
 from celery_redlock import singleton_task
 from celery_redlock.integration.run import Run
@@ -52,39 +50,19 @@ class Injected(Exception):
     """Raised where a signal handler's exception can land."""
 
 
-@contextmanager
-def interrupted_at(codes: Sequence[CodeType], landing: int) -> Iterator[list[str]]:
-    """Raise `Injected` at the ``landing``-th instruction (from 0, in the order they run) where a
-    signal handler's exception can land in a function of ``codes`` (or what they call among
-    them) in this thread. Yields a list that names where it raised, if it did."""
-    raised: list[str] = []
-    seen = 0
+def at_landing(landing: int) -> Callable[[FrameType, int | None], bool]:
+    """True at the ``landing``-th instruction (from 0, in the order they run) where a signal
+    handler's exception can land."""
+    seen = -1
 
-    def local(frame: FrameType, event: str, argument: Any) -> Callable[..., Any] | None:
+    def where(frame: FrameType, previous: int | None) -> bool:
         nonlocal seen
-        if event != "opcode":
-            return local
-        previous = getattr(local, "previous", {}).get(id(frame))
-        offset = frame.f_lasti
-        local.previous = {**getattr(local, "previous", {}), id(frame): offset}  # type: ignore[attr-defined]
-        if not raised and signal_can_land(frame.f_code, previous, offset):
-            if seen == landing:
-                raised.append(f"{frame.f_code.co_name} at offset {offset}")
-                raise Injected(raised[0])  # CPython unsets this thread's tracing
-            seen += 1
-        return local
+        if not signal_can_land(frame.f_code, previous, frame.f_lasti):
+            return False
+        seen += 1
+        return seen == landing
 
-    def tracer(frame: FrameType, event: str, argument: Any) -> Callable[..., Any] | None:
-        if frame.f_code in codes and not raised:
-            frame.f_trace_opcodes = True
-            return local
-        return None
-
-    sys.settrace(tracer)
-    try:
-        yield raised
-    finally:
-        sys.settrace(None)
+    return where
 
 
 pytest_plugins = ["celery_apps.fixtures"]
@@ -119,7 +97,10 @@ def test_a_run_interrupted_keeping_or_freeing_its_lock_leaves_no_lock_behind(
     interrupted = []
     for landing in range(200):
         # A plain call's caller gets the interruption.
-        with interrupted_at(codes, landing) as raised, contextlib.suppress(Injected):
+        with (
+            raising_once(codes, at_landing(landing), Injected()) as raised,
+            contextlib.suppress(Injected),
+        ):
             job.apply(args=(landing,)) if call == "apply" else job(landing)
         if not raised:
             break  # every instruction where a handler's exception can land was tried

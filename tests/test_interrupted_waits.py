@@ -9,15 +9,13 @@ reconnection). The subscribed connection holds its listeners weakly now.
 
 from __future__ import annotations
 
-import dis
+import contextlib
 import gc
-import sys
 import threading
 from collections.abc import Callable
-from types import FrameType
-from typing import Any
 
 from redlock_support import wait_until
+from robustness.interruptions import after_call_of, raising_once
 
 from celery_redlock import Redlock
 from celery_redlock.lock.nodes.group import ReleaseListener
@@ -30,42 +28,17 @@ class Injected(Exception):
     """Raised where a signal handler's exception can land."""
 
 
-def after_the_wait_for_confirmations() -> int:
-    """The offset right after `ReleaseListener.__init__` waited for the servers to confirm."""
-    instructions = list(dis.get_instructions(SUBSCRIBING))
-    for index, instruction in enumerate(instructions):
-        if instruction.argval == "wait" and instruction.opname.startswith("LOAD"):
-            for following in range(index, len(instructions)):
-                if instructions[following].opname == "CALL":
-                    return instructions[following + 1].offset
-    raise AssertionError("ReleaseListener no longer waits for confirmations")
-
-
 def interrupt_subscribing(call: Callable[[], object]) -> bool:
     """Run ``call``, raising `Injected` in it right after its release listener was subscribed
-    and confirmed; True if it was raised."""
-    landing = after_the_wait_for_confirmations()
-    raised: list[bool] = []
-
-    def local(frame: FrameType, event: str, argument: Any) -> Callable[..., Any] | None:
-        if event == "opcode" and frame.f_lasti == landing and not raised:
-            raised.append(True)
-            raise Injected("as a release listener was subscribed")
-        return local
-
-    def tracer(frame: FrameType, event: str, argument: Any) -> Callable[..., Any] | None:
-        if frame.f_code is SUBSCRIBING and not raised:
-            frame.f_trace_opcodes = True
-            return local
-        return None
-
-    sys.settrace(tracer)
-    try:
+    and the servers confirmed it; True if it was raised."""
+    landing = after_call_of(SUBSCRIBING, "wait")
+    with (
+        raising_once(
+            [SUBSCRIBING], lambda frame, _: frame.f_lasti == landing, Injected()
+        ) as raised,
+        contextlib.suppress(Injected),
+    ):
         call()
-    except Injected:
-        pass
-    finally:
-        sys.settrace(None)
     return bool(raised)
 
 

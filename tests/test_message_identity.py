@@ -299,15 +299,28 @@ def _redelivered(raw_message: bytes) -> bytes:
     return json.dumps(payload).encode()
 
 
+def _later_attempt(raw_message: bytes) -> bytes:
+    """The message as a retry of it would be published: the same message (its identity kept),
+    one attempt later."""
+    payload = json.loads(raw_message)
+    payload["headers"]["retries"] = payload["headers"].get("retries", 0) + 1
+    return json.dumps(payload).encode()
+
+
+@pytest.mark.parametrize("copy", [_redelivered, _later_attempt], ids=["redelivered", "retried"])
 def test_the_same_message_delivered_again_after_its_run_is_acknowledged_and_keeps_its_result(
     broker: RedisServer,
     make_test_app: MakeApp,
     run_log: RunLog,
     deliveries: dict[str, list[str]],
+    copy: Callable[[bytes], bytes],
 ) -> None:
-    # What the broker does when an acks_late worker died after the body ran but before its ack:
-    # the stored message comes back, marked redelivered (kombu restores it after the visibility
-    # timeout). Here the test puts it back itself, at a known moment, after the run.
+    # "redelivered": what the broker does when an acks_late worker died after the body ran but
+    # before its ack: the stored message comes back, marked redelivered (kombu restores it
+    # after the visibility timeout). "retried": two copies of one attempt (a redelivery) can
+    # decide apart, one running, the other finding a duplicate's lock held and retrying: that
+    # retry comes after the run ended for good. Here the test puts the copy back itself, at a
+    # known moment, after the run.
     app = make_test_app()
 
     @singleton_task(app=app, shared=False, bind=True, name="identity.once", acks_late=True)
@@ -322,7 +335,7 @@ def test_the_same_message_delivered_again_after_its_run_is_acknowledged_and_keep
         ran = result.get(timeout=10)
         assert wait_until(lambda: _broker_settled(broker), timeout=5)
         with broker.client() as client:
-            client.lpush("celery", _redelivered(raw_message))
+            client.lpush("celery", copy(raw_message))
         assert wait_until(lambda: _ran_twice_and_settled(deliveries, result.id, broker), 10), (
             deliveries,
             run_log.runs(),
@@ -331,46 +344,6 @@ def test_the_same_message_delivered_again_after_its_run_is_acknowledged_and_keep
     # The first run's result is never overwritten by the acknowledgement of its copy.
     assert _stored(app, result.id) == ("SUCCESS", ran)
     assert app.AsyncResult(result.id).get(timeout=5) == ran
-
-
-def _later_attempt(raw_message: bytes) -> bytes:
-    """The message as a retry of it would be published: the same message (its identity kept),
-    one attempt later."""
-    payload = json.loads(raw_message)
-    payload["headers"]["retries"] = payload["headers"].get("retries", 0) + 1
-    return json.dumps(payload).encode()
-
-
-def test_a_later_attempt_of_a_message_that_ended_for_good_is_acknowledged(
-    broker: RedisServer,
-    make_test_app: MakeApp,
-    run_log: RunLog,
-    deliveries: dict[str, list[str]],
-) -> None:
-    # Two copies of one attempt (a redelivery) can decide apart: one runs, the other finds a
-    # duplicate's lock held and retries. Here the test publishes that retry itself, after the
-    # run ended for good: a later attempt of a finished message must not run it again.
-    app = make_test_app()
-
-    @singleton_task(app=app, shared=False, bind=True, name="identity.forked", acks_late=True)
-    def job(self: Task, item: int) -> str:
-        with run_log.run(f"identity.forked:{item}", task_id=self.request.id) as entry:
-            return str(entry["run"])
-
-    result = job.delay(1)  # queued while no worker runs: the test can read the message
-    with broker.client() as client:
-        (raw_message,) = client.lrange("celery", 0, -1)
-    with embedded_worker(app, pool="solo"):
-        ran = result.get(timeout=10)
-        assert wait_until(lambda: _broker_settled(broker), timeout=5)
-        with broker.client() as client:
-            client.lpush("celery", _later_attempt(raw_message))
-        assert wait_until(lambda: _ran_twice_and_settled(deliveries, result.id, broker), 10), (
-            deliveries,
-            run_log.runs(),
-        )
-    assert [run["run"] for run in _runs_of(run_log, result.id)] == [ran]
-    assert _stored(app, result.id) == ("SUCCESS", ran)
 
 
 def test_a_retry_asked_for_without_raising_still_runs(

@@ -5,7 +5,10 @@ clean-up of a ``try`` or ``with`` block, which no signal handler can do."""
 from __future__ import annotations
 
 import dis
-from collections.abc import Callable
+import sys
+import threading
+from collections.abc import Callable, Collection, Iterator
+from contextlib import contextmanager
 from functools import cache
 from types import CodeType, FrameType
 from typing import Any
@@ -92,3 +95,56 @@ class InstructionTracer:
         if event == "opcode":
             self.previous = frame.f_lasti
         return self
+
+
+def after_call_of(code: CodeType, name: str) -> int:
+    """The offset of the instruction right after ``code`` first calls something named ``name``
+    (a function, or a method as ``object.name(...)``): where a handler's exception lands once
+    that call returned."""
+    instructions = list(dis.get_instructions(code))
+    for index, instruction in enumerate(instructions):
+        if instruction.argval == name and instruction.opname.startswith("LOAD"):
+            for following in range(index, len(instructions)):
+                if instructions[following].opname in ("CALL", "CALL_FUNCTION"):
+                    return instructions[following + 1].offset
+    raise AssertionError(f"{code.co_name} calls nothing named {name!r}")
+
+
+@contextmanager
+def raising_once(
+    codes: Collection[CodeType],
+    where: Callable[[FrameType, int | None], bool],
+    exception: BaseException,
+    threads: bool = False,
+) -> Iterator[list[str]]:
+    """Raise ``exception`` once, before the first instruction of a function of ``codes`` at which
+    ``where(frame, previous)`` is true (``previous``: the offset of the instruction run before
+    it in that frame, None at the frame's first), the way a signal handler's exception is
+    raised. In this thread, or with ``threads`` in the threads started from now on instead.
+    Yields a list that names where it raised (``"function at offset N"``) once it did."""
+    raised: list[str] = []
+
+    def tracer(frame: FrameType, event: str, argument: Any) -> Callable[..., Any] | None:
+        if frame.f_code not in codes or raised:
+            return None
+        previous: int | None = None
+
+        def local(frame: FrameType, event: str, argument: Any) -> Callable[..., Any] | None:
+            nonlocal previous
+            if event != "opcode" or raised:
+                return local
+            offset, before, previous = frame.f_lasti, previous, frame.f_lasti
+            if where(frame, before):
+                raised.append(f"{frame.f_code.co_name} at offset {offset}")
+                raise exception  # CPython unsets the tracing of this thread
+            return local
+
+        frame.f_trace_opcodes = True
+        return local
+
+    install = threading.settrace if threads else sys.settrace
+    install(tracer)
+    try:
+        yield raised
+    finally:
+        install(None)  # type: ignore[arg-type]
