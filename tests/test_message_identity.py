@@ -30,7 +30,7 @@ from celery_apps.support import (
 )
 from redlock_support import requires_prompt_redelivery, wait_until
 
-from celery_redlock import singleton_task
+from celery_redlock import SingletonTask, singleton_task
 from celery_redlock.testing import RedisNodes, RedisServer
 
 pytest_plugins = ["celery_apps.fixtures"]
@@ -346,18 +346,39 @@ def test_the_same_message_delivered_again_after_its_run_is_acknowledged_and_keep
     assert app.AsyncResult(result.id).get(timeout=5) == ran
 
 
+class RetriedOnFailure(SingletonTask):  # type: ignore[misc]
+    """Asks for a retry from ``on_failure``, after its first attempt's body failed."""
+
+    def on_failure(self, exc: BaseException, task_id: str, *args: Any, **kwargs: Any) -> None:
+        if self.request.retries == 0:
+            self.retry(countdown=0.2, throw=False)
+
+
+@pytest.mark.parametrize("where", ["body", "on_failure"])
 def test_a_retry_asked_for_without_raising_still_runs(
-    make_test_app: MakeApp, run_log: RunLog
+    make_test_app: MakeApp, run_log: RunLog, where: str
 ) -> None:
-    # ``retry(throw=False)`` publishes the next attempt and lets the body end in SUCCESS: that
-    # end must not be recorded as the message's last, or the retry would be acknowledged unrun.
+    # ``retry(throw=False)`` publishes the next attempt and lets the body end in SUCCESS; asked
+    # for from ``on_failure``, it comes after the body ended in FAILURE. Neither end may be
+    # recorded as the message's last, or the retry would be acknowledged unrun.
     app = make_test_app()
 
-    @singleton_task(app=app, shared=False, bind=True, name="identity.retry", acks_late=True)
+    @app.task(
+        base=RetriedOnFailure,
+        shared=False,
+        bind=True,
+        name=f"identity.retry.{where}",
+        acks_late=True,
+        # A failed attempt's request outlives the worker in its exception's traceback: were its
+        # retry's result kept as its child, it would unsubscribe after the broker stopped.
+        trail=False,
+    )
     def job(self: Task, item: int) -> None:
         with run_log.run(f"identity.retry:{item}", task_id=self.request.id):
-            if self.request.retries == 0:
+            if self.request.retries == 0 and where == "body":
                 self.retry(countdown=0.2, throw=False)
+            elif self.request.retries == 0:
+                raise ValueError("the first attempt fails; on_failure asks for a retry")
 
     with embedded_worker(app, pool="solo"):
         result = job.delay(1)

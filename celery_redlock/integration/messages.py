@@ -20,6 +20,10 @@ DEFERRED_HEADER = "celery_redlock_deferred"
 """Message header of a run published again by this library (`run.Run.publish_again`): never
 de-duplicated at enqueue."""
 
+ENDED_FIELD = "celery_redlock_ended"
+"""The request field set once its run recorded its message as ended for good (`run.LAST_RETRIES`):
+a retry asked for after that (from ``on_failure``, say) is published as a new message."""
+
 RECEIVED_FIELD = "celery_redlock_received"
 """The request field holding when the worker's main process received the message (``time.time()``,
 set by `process_loss.LockAwareRequest`), read as ``task.request.celery_redlock_received``."""
@@ -31,6 +35,14 @@ def name_message(headers: dict[str, Any] | None = None, **_: Any) -> None:
     the header costs 40 bytes)."""
     if headers is not None and MESSAGE_HEADER not in headers:
         headers[MESSAGE_HEADER] = secrets.token_hex(8)
+
+
+def new_message_after_the_end(request: Any) -> None:
+    """Make the next message published from ``request`` (a retry) a new message, when its run
+    recorded it as ended for good: that record would take a copy of it for a copy of the
+    finished message."""
+    if getattr(request, ENDED_FIELD, False) and request.headers:
+        request.headers.pop(MESSAGE_HEADER, None)
 
 
 def message_field(task_name: str, request: Any) -> str:

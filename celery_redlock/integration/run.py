@@ -34,7 +34,7 @@ from ..lock.scripts import RANK_FORMAT
 from . import events
 from .coalesce import coalesce
 from .events import WORKER_ATTRIBUTE, WorkerFacts
-from .messages import DEFERRED_HEADER, copy_may_come, message_field
+from .messages import DEFERRED_HEADER, ENDED_FIELD, copy_may_come, message_field
 from .plan import TaskPlan
 from .policy import Action, Situation, Step, decide, relation_of
 
@@ -269,6 +269,7 @@ class Run:
             record = None
         elif record is not None and state in FINAL_STATES and not self.may_retry:
             record = dataclasses.replace(record, rank=(self.attempt_rank[0], LAST_RETRIES))
+            setattr(self.request, ENDED_FIELD, True)  # set first: a retry asked for later sees it
         reported = kept is not None and (bool(signals.lock_released.receivers) or self.monitored)
         released = False
         try:

@@ -17,6 +17,7 @@ from ..errors import ConfigurationError, RedlockError
 from ..lock.outcomes import Lock
 from . import enqueue
 from .keys import LockKey
+from .messages import new_message_after_the_end
 from .plan import TaskPlan, check_class_options, make_plan
 from .process_loss import LockAwareRequest
 from .run import Run, current_run
@@ -83,12 +84,15 @@ class SingletonTask(Task):  # type: ignore[misc]
         return extended
 
     def retry(self, *args: Any, **kwargs: Any) -> Any:
-        """Celery's `Task.retry`. The run notes first that a later attempt of its message may be
-        on its way, so that its end never records the message as ended for good (which would
-        take that attempt for a copy of a finished message: `run.LAST_RETRIES`)."""
+        """Celery's `Task.retry`. From the body, the run notes first that a later attempt of its
+        message may be on its way, so that its end never records the message as ended for good
+        (which would take that attempt for a copy of a finished message: `run.LAST_RETRIES`);
+        after a body that did end it (from ``on_failure``, say), the retry is a new message."""
         run = current_run(self)
         if run is not None:
             run.may_retry = True
+        else:
+            new_message_after_the_end(self.request)
         return super().retry(*args, **kwargs)
 
     def start_strategy(self, app: Any, consumer: Any, **kwargs: Any) -> Any:
